@@ -1,0 +1,1 @@
+"""llamastream's inference engine: everything that is not RPC."""

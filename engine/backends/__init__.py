@@ -1,0 +1,54 @@
+"""Compute backends. Each holds the weights and the KV cache and runs a batch:
+
+    backend.allocate_kv_cache(num_blocks, block_size)
+    backend.execute(batch) -> [SampleOutput | None for each scheduled sequence]
+
+`numpy` is the float32 reference that runs anywhere; `cuda` runs on NVIDIA GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.config import ModelConfig
+from engine.weights import Weights
+
+log = logging.getLogger("llamastream.engine")
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why the CUDA backend cannot run here, or None if it can."""
+    try:
+        import pycuda.driver as cuda
+    except ImportError:
+        return "pycuda is not installed (pip install '.[cuda]')"
+    try:
+        cuda.init()
+        if cuda.Device.count() == 0:
+            return "no CUDA device is visible"
+    except cuda.Error as e:
+        return f"the CUDA driver failed to start: {e}"
+    try:
+        import engine.backends.cuda_backend  # noqa: F401
+    except ImportError as e:
+        return f"the CUDA backend failed to import: {e}"
+    return None
+
+
+def create_backend(device: str, config: ModelConfig, weights: Weights):
+    """The backend for --device auto|cpu|cuda; auto takes cuda when it can run."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, not {device!r}")
+    if device in ("auto", "cuda"):
+        reason = cuda_unavailable_reason()
+        if reason is None:
+            from engine.backends.cuda_backend import CudaBackend
+
+            log.info("device %s: using the CUDA backend", device)
+            return CudaBackend(config, weights)
+        if device == "cuda":
+            raise RuntimeError(f"--device cuda, but {reason}; use --device cpu or auto")
+        log.info("device auto: using the numpy backend on the CPU (%s)", reason)
+    from engine.backends.numpy_backend import NumpyBackend
+
+    return NumpyBackend(config, weights)

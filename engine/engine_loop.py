@@ -1,0 +1,103 @@
+"""The engine thread: the only thread that touches the engine (and the GPU).
+
+RPC handlers call `submit` and `abort` from their own threads; both only enqueue.
+The loop applies them between steps, steps while there is work, and pushes each
+request's deltas to that request's own queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+
+from engine.llm_engine import LLMEngine
+from engine.output import RequestOutput
+from engine.sequence import Sequence
+
+log = logging.getLogger("llamastream.engine")
+
+class DuplicateRequest(ValueError):
+    """A request id that is already in flight."""
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outputs: dict[str, queue.SimpleQueue] = {}
+        self._lock = threading.Lock()  # guards _outputs against the RPC threads
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.fatal_error: str | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal_error is None
+
+    def submit(self, seq: Sequence) -> queue.SimpleQueue:
+        """Queue a validated sequence; returns the queue its RequestOutputs arrive on."""
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            if seq.request_id in self._outputs:
+                raise DuplicateRequest(f"request_id {seq.request_id!r} is already in flight: use a unique id")
+            self._outputs[seq.request_id] = out
+        self._inbox.put(("add", seq))
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        """Ask the engine to stop a request; True if it was in flight."""
+        with self._lock:
+            known = request_id in self._outputs
+        if known:
+            self._inbox.put(("abort", request_id))
+        return known
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._outputs)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._apply_inbox(block=not self.engine.has_work())
+            if not self.engine.has_work():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a fault fails the requests of this step only
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                outputs = self.engine.fail_step(f"engine fault: {type(e).__name__}: {e}")
+            self._dispatch(outputs)
+
+    def _apply_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    kind, arg = item
+                    if kind == "add":
+                        self.engine.add(arg)
+                    else:
+                        out = self.engine.abort(arg)
+                        if out is not None:
+                            self._dispatch([out])
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                q = self._outputs.pop(out.request_id) if out.finished else self._outputs.get(out.request_id)
+            if q is not None:
+                q.put(out)
+
+__all__ = ["DuplicateRequest", "EngineLoop", "FinishReason"]

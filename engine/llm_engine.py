@@ -1,0 +1,126 @@
+"""The engine: admit requests, run one continuous-batching step at a time, emit deltas.
+
+Not thread-safe: one thread (EngineLoop's) owns it, and with it the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.model_loader import LoadedModel
+from engine.output import OutputStream, RequestOutput, Usage
+from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sequence import FinishReason, Sequence
+
+log = logging.getLogger("llamastream.engine")
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's, within the KV cache
+
+
+class LLMEngine:
+    def __init__(self, model: LoadedModel, backend, config: EngineConfig):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.backend = backend
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        backend.allocate_kv_cache(config.num_kv_blocks, config.block_size)
+        cache_tokens = config.num_kv_blocks * config.block_size
+        self.max_model_len = min(model.config.max_position_embeddings, cache_tokens, config.max_model_len or cache_tokens)
+        self._streams: dict[str, OutputStream] = {}
+        self._last_batch: list[ScheduledSeq] = []
+
+    # -- admission (pure: safe to call from any thread) -------------------------
+    def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Check a request against the model and the context; raise InvalidRequest if it cannot run."""
+        vocab = self.model.config.vocab_size
+        params.validate(vocab)
+        if not prompt_ids:
+            raise InvalidRequest("the input is empty: send a non-empty prompt, chat or token_ids")
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token_ids: {bad} is outside the vocabulary [0, {vocab})")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len}, "
+                "including at least one generated token: shorten the prompt"
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequest(
+                f"stop.max_tokens is {params.max_tokens} but only {room} tokens fit after the "
+                f"{len(prompt_ids)}-token prompt in the {self.max_model_len}-token context"
+            )
+        max_tokens = params.max_tokens or min(DEFAULT_MAX_TOKENS, room)
+        if params.min_tokens > max_tokens:
+            raise InvalidRequest(f"stop.min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens that fit")
+        return Sequence(request_id, list(prompt_ids), params, max_tokens, eos_token_ids=self.tokenizer.eos_token_ids)
+
+    # -- the engine thread's side -----------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self._streams[seq.request_id] = OutputStream(seq, self.tokenizer)
+        self.scheduler.add(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return None
+        return self._finish(stream.seq, RequestOutput(request_id, finish_reason=FinishReason.ABORT))
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return this step's deltas (finished requests' last ones included)."""
+        batch = self._last_batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        samples = self.backend.execute(batch)
+        outputs = []
+        for scheduled, sample in zip(batch, samples):
+            seq = scheduled.seq
+            seq.num_computed_tokens += scheduled.num_tokens
+            if sample is None:
+                continue
+            out = self._streams[seq.request_id].append(sample)
+            outputs.append(self._finish(seq, out) if out.finished else out)
+        self._last_batch = []
+        return outputs
+
+    def fail_step(self, error: str) -> list[RequestOutput]:
+        """After a step raised: end the requests of that step with an error; the rest go on."""
+        failed = [
+            self._finish(s.seq, RequestOutput(s.seq.request_id, finish_reason=FinishReason.ERROR, error=error))
+            for s in self._last_batch
+            if not s.seq.is_finished
+        ]
+        self._last_batch = []
+        return failed
+
+    def _finish(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
+        self.scheduler.finish(seq)
+        del self._streams[seq.request_id]
+        now = time.monotonic()
+        first = seq.first_token_time or now
+        out.usage = Usage(
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.output_ids),
+            time_to_first_token_ms=(first - seq.arrival_time) * 1e3,
+            total_ms=(now - seq.arrival_time) * 1e3,
+        )
+        return out
+
+    def num_live_requests(self) -> int:
+        return len(self._streams)

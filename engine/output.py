@@ -1,0 +1,98 @@
+"""From sampled tokens to what a client sees: text deltas, stops and finish reasons."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampler import SampleOutput, TokenLogprob
+from engine.sequence import FinishReason, Sequence
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_ms: float
+    total_ms: float
+
+
+@dataclass
+class RequestOutput:
+    """One event of a request's stream: new text, and on the last one why it ended."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None
+    stop_token_id: int | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _partial_stop_suffix(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that could still grow into a stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+class OutputStream:
+    """Per sequence: appends sampled tokens, applies the stop rules, yields deltas.
+
+    Stop strings are never emitted, so text that could still be the start of one
+    is held back until it can no longer match.
+    """
+
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer):
+        self.seq = seq
+        self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_ids, seq.params.skip_special_tokens)
+        self.text = ""
+        self.sent = 0  # characters of self.text already emitted
+
+    def append(self, sample: SampleOutput) -> RequestOutput:
+        seq, params = self.seq, self.seq.params
+        token = sample.token_id
+        seq.output_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        out = RequestOutput(seq.request_id, token_ids=[token])
+        if sample.logprob is not None:
+            out.logprobs.append(sample.logprob)
+
+        if token in params.stop_token_ids or (token in seq.eos_token_ids and not params.ignore_eos):
+            # (both are banned before min_tokens, so reaching here means the end)
+            out.finish_reason, out.stop_token_id = FinishReason.STOP, token
+            self.text += self.detokenizer.flush()
+        else:
+            searched_from = max(0, len(self.text) - max((len(s) for s in params.stop), default=0) + 1)
+            self.text += self.detokenizer.add(token)
+            if params.stop and len(seq.output_ids) >= params.min_tokens:
+                self._match_stop_string(out, searched_from)
+            if out.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
+                out.finish_reason = FinishReason.LENGTH
+                self.text += self.detokenizer.flush()
+
+        end = len(self.text) if out.finished else len(self.text) - _partial_stop_suffix(self.text, params.stop)
+        out.text = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return out
+
+    def _match_stop_string(self, out: RequestOutput, searched_from: int) -> None:
+        hits = [(i, s) for s in self.seq.params.stop if (i := self.text.find(s, searched_from)) >= 0]
+        if hits:
+            index, stop = min(hits)
+            self.text = self.text[:index]
+            out.finish_reason, out.stop_string = FinishReason.STOP, stop

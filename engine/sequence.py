@@ -1,0 +1,68 @@
+"""A request's state inside the engine: its tokens, its KV blocks, its output so far."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # eos, a stop string or a stop token
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"  # an engine fault in a step this sequence was part of
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: the default or the request's, within the context
+    eos_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+    rng: np.random.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Philox, seeded per request: draws do not depend on the rest of the batch.
+        self.rng = np.random.Generator(np.random.Philox(self.params.seed))
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def banned_token_ids(self) -> list[int]:
+        """Tokens that would end the sequence before min_tokens."""
+        if len(self.output_ids) >= self.params.min_tokens:
+            return []
+        return self.eos_token_ids + self.params.stop_token_ids

@@ -1,0 +1,1 @@
+"""llamastream's gRPC server: validation, the RPC <-> engine bridge, health, reflection, CLI."""

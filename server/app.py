@@ -1,0 +1,124 @@
+"""Build and run the server: load the model, start the engine thread, serve, drain."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.backends import create_backend
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model_loader import load_model
+from engine.sampling_params import SamplingParams
+from llamastream.v1 import generation_pb2 as pb
+from llamastream.v1 import generation_pb2_grpc as pb_grpc
+from server.servicer import GenerationServicer
+
+log = logging.getLogger("llamastream.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass
+class ServerConfig:
+    model: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 50051
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_waiting: int = 256
+    grace: float = 30.0
+
+
+class LoadingProgress:
+    """Logs weight loading at most once a second."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if time.monotonic() - self.last > 1.0 or done == total:
+            self.last = time.monotonic()
+            log.info("loading weights: %d/%d", done, total)
+
+
+class Server:
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        model = load_model(cfg.model, LoadingProgress())
+        backend = create_backend(cfg.device, model.config, model.weights)
+        num_blocks = cfg.num_kv_blocks or int(cfg.kv_cache_memory_gb * 2**30 // backend.kv_cache_bytes_per_block(cfg.block_size))
+        engine = LLMEngine(model, backend, EngineConfig(
+            block_size=cfg.block_size,
+            num_kv_blocks=num_blocks,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
+        ))
+        log.info("model %s on %s: %d KV blocks of %d tokens (%d tokens), context %d",
+                 model.name, backend.name, num_blocks, cfg.block_size, num_blocks * cfg.block_size, engine.max_model_len)
+        self.loop = EngineLoop(engine)
+        self.servicer = GenerationServicer(self.loop, backend.name, cfg.max_num_seqs + cfg.max_waiting)
+        self.health = health.HealthServicer()
+        # One thread per open stream: room for every request the engine may hold, plus unary calls.
+        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_num_seqs + cfg.max_waiting + 16))
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.grpc_server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.grpc_server,
+        )
+        self.port = self.grpc_server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: is the port in use?")
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._stop = threading.Event()
+
+    def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        self.loop.start()
+        self.grpc_server.start()
+        self._warm_up()
+        self.servicer.accepting.set()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving llamastream.v1.Generation on %s:%d", self.cfg.host, self.port)
+
+    def _warm_up(self) -> None:
+        """One short generation through the whole engine before health says SERVING."""
+        engine = self.loop.engine
+        prompt = engine.tokenizer.encode("Hello", add_special_tokens=True) or [0]
+        seq = engine.make_sequence("warm-up", prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        outputs = self.loop.submit(seq)
+        while not outputs.get(timeout=600).finished:
+            pass
+
+    def drain(self) -> None:
+        """Stop taking calls, let in-flight streams finish within the grace period, stop."""
+        log.info("draining: up to %.0f s for in-flight streams", self.cfg.grace)
+        self.servicer.accepting.clear()
+        self.health.enter_graceful_shutdown()
+        self.grpc_server.stop(self.cfg.grace).wait()
+        self.loop.stop()
+        log.info("stopped")
+
+    def run_until_signal(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        self.start()
+        self._stop.wait()
+        self.drain()

@@ -1,0 +1,70 @@
+"""The `llamastream` command: `serve` and `convert-gguf`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from server.app import ServerConfig
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    p.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host})")
+    p.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device,
+                   help="cuda, cpu (the numpy backend), or auto: cuda when a GPU and pycuda are present")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step; longer prompts are prefilled in chunks")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="requests queued beyond --max-num-seqs before new ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
+    p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: as many as --kv-cache-memory-gb holds)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb, help="memory for the KV cache on the CPU")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's, within the KV cache)")
+    p.add_argument("--grace", type=float, default=d.grace, help="seconds in-flight streams get to finish on SIGTERM")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_model_len"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "port" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llamastream", description="Streaming gRPC inference for Llama-architecture models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_args(sub.add_parser("serve", help="serve a model over gRPC"))
+    convert = sub.add_parser("convert-gguf", help="write a GGUF model as a Hugging Face directory")
+    convert.add_argument("gguf", help="input .gguf file")
+    convert.add_argument("out_dir", help="output directory")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    if args.command == "convert-gguf":
+        from engine.model_loader import convert_gguf
+        from server.app import LoadingProgress
+
+        print(f"wrote {convert_gguf(args.gguf, args.out_dir, LoadingProgress())}")
+        return 0
+
+    _check_positive(parser, args)
+    from server.app import Server
+
+    cfg = ServerConfig(**{k: v for k, v in vars(args).items() if k in ServerConfig.__dataclass_fields__})
+    try:
+        server = Server(cfg)
+    except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
+        logging.getLogger("llamastream").error("%s", e)
+        return 1
+    server.run_until_signal()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
