@@ -55,7 +55,10 @@ class ModelConfig:
                 "Llama-architecture models (model_type 'llama')"
             )
         heads = cfg["num_attention_heads"]
-        scaling = cfg.get("rope_scaling") or None
+        # transformers 5 writes `rope_parameters` (theta inside); older checkpoints
+        # such as Llama 3.2's have `rope_scaling` beside `rope_theta`.
+        scaling = cfg.get("rope_parameters") or cfg.get("rope_scaling") or None
+        rope_theta = (scaling or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
         rope = None
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -78,7 +81,7 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             rope_scaling=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             name=name,

@@ -1,0 +1,65 @@
+"""Shared fixtures: the tiny golden model, the embedded SmolLM2, engines over them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.backends.numpy_backend import NumpyBackend
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model_loader import LoadedModel, load_model
+from engine.output import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TINY_MODEL = FIXTURES / "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LoadedModel:
+    return load_model(TINY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    return load_model()
+
+
+def make_engine(model: LoadedModel, **config) -> LLMEngine:
+    config.setdefault("num_kv_blocks", 256)
+    return LLMEngine(model, NumpyBackend(model.config, model.weights), EngineConfig(**config))
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run(engine: LLMEngine, seqs: list[Sequence], arrivals: dict[int, list[Sequence]] | None = None,
+        check_blocks: bool = True) -> dict[str, list[RequestOutput]]:
+    """Step the engine until idle; `arrivals` adds sequences before the given step."""
+    arrivals = dict(arrivals or {})
+    for s in seqs:
+        engine.add(s)
+    outputs: dict[str, list[RequestOutput]] = {}
+    step = 0
+    while engine.has_work() or arrivals:
+        for s in arrivals.pop(step, []):
+            engine.add(s)
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        if check_blocks:
+            live = engine.scheduler.running + list(engine.scheduler.waiting)
+            engine.block_manager.check_invariants(live)
+        step += 1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "blocks leaked"
+    return outputs
+
+
+def tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+def text(outputs: list[RequestOutput]) -> str:
+    return "".join(o.text for o in outputs)
