@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,6 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
-    name: str = "model"
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def q_size(self) -> int:
@@ -47,7 +45,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         if cfg.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
             raise ValueError(
@@ -84,13 +82,12 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            name=name,
         )
 
     @classmethod
     def from_hf_dir(cls, path: Path) -> "ModelConfig":
         with open(path / "config.json") as f:
-            return cls.from_hf_dict(json.load(f), name=path.name)
+            return cls.from_hf_dict(json.load(f))
 
     def to_hf_dict(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {

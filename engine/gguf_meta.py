@@ -13,7 +13,7 @@ def field_value(reader, key: str) -> Any:
     return None if f is None else f.contents()
 
 
-def config_from_gguf(reader, name: str) -> ModelConfig:
+def config_from_gguf(reader) -> ModelConfig:
     arch = field_value(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported: llamastream serves 'llama' models")
@@ -47,5 +47,4 @@ def config_from_gguf(reader, name: str) -> ModelConfig:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         tie_word_embeddings=not has_output,
-        name=name,
     )

@@ -55,7 +55,7 @@ def load_model(path: str | Path | None = None, progress: Progress | None = None)
 
         reader = GGUFReader(model_path)
         name = model_path.stem
-        config = config_from_gguf(reader, name)
+        config = config_from_gguf(reader)
         weights = load_gguf_weights(reader, config, progress)
         tokenizer = Tokenizer.from_gguf(reader)
     else:

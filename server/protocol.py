@@ -63,6 +63,8 @@ def render_chat(tokenizer: Tokenizer, chat: pb.Chat) -> tuple[list[int], str]:
 def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
     kind = req.WhichOneof("input")
     if kind == "prompt":
+        if not req.prompt:
+            raise InvalidRequest("prompt is empty: send some text, a chat or token_ids")
         return tokenizer.encode(req.prompt)
     if kind == "chat":
         return render_chat(tokenizer, req.chat)[0]

@@ -1,0 +1,94 @@
+"""Helpers for tests that talk to a real server over a socket."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llamastream.v1 import generation_pb2 as pb
+from llamastream.v1 import generation_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
+            with contextlib.suppress(grpc.RpcError):
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.2)
+    raise TimeoutError(f"the server at {address} did not become SERVING in {timeout} s")
+
+
+class ServerProcess:
+    """`python -m server serve` in a subprocess, as a user would start it."""
+
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def __enter__(self) -> "ServerProcess":
+        try:
+            wait_serving(self.address, proc=self.proc)
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def stub(address: str) -> pb_grpc.GenerationStub:
+    return pb_grpc.GenerationStub(grpc.insecure_channel(address))
+
+
+def chat(content: str, **fields) -> pb.GenerateRequest:
+    return pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=content)]), **fields)
+
+
+def collect(responses) -> tuple[list[pb.GenerateResponse], str]:
+    """All messages of a Generate stream, and the text of its deltas."""
+    msgs = list(responses)
+    return msgs, "".join(m.delta.text for m in msgs if m.HasField("delta"))
+
+
+def check_stream_shape(msgs: list[pb.GenerateResponse]) -> None:
+    """One Started first, Deltas, one Finished last."""
+    kinds = [m.WhichOneof("event") for m in msgs]
+    assert kinds[0] == "started" and kinds[-1] == "finished", kinds
+    assert set(kinds[1:-1]) <= {"delta"}, kinds
+    assert len({m.request_id for m in msgs}) == 1

@@ -1,0 +1,35 @@
+"""Streaming text equals the decode of all generated tokens, for any token sequence."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_loader import load_model
+from tests.conftest import TINY_MODEL
+
+TOKENIZER = load_model(TINY_MODEL).tokenizer
+
+
+def stream(ids: list[int], prompt: list[int]) -> list[str]:
+    d = IncrementalDetokenizer(TOKENIZER, prompt)
+    return [d.add(t) for t in ids] + [d.flush()]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(5, TOKENIZER.vocab_size - 1), max_size=40), st.text(max_size=20))
+def test_concatenated_deltas_equal_the_full_decode(ids, prompt_text):
+    pieces = stream(ids, TOKENIZER.encode(prompt_text, add_special_tokens=False))
+    full = TOKENIZER.decode(ids)
+    assert "".join(pieces) == full
+    if "\ufffd" not in full:  # (random bytes can be invalid UTF-8 for good)
+        assert all("\ufffd" not in p for p in pieces), "a delta split a character"
+
+
+def test_multibyte_characters_arrive_whole():
+    ids = TOKENIZER.encode("東京 🦙 naïve", add_special_tokens=False)
+    pieces = stream(ids, [])
+    assert "".join(pieces) == "東京 🦙 naïve"
+    assert all("\ufffd" not in p for p in pieces)
+    assert len([p for p in pieces if p]) < len(ids), "byte tokens of one character were held back together"

@@ -1,0 +1,104 @@
+"""Model loading: sharded and bfloat16 safetensors, GGUF conversion, clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from engine.model_loader import embedded_model_path, load_model
+from engine.weights import unpermute_qk
+from tests.conftest import TINY_MODEL
+from tests.serving import ROOT
+
+GOLDEN = json.loads((TINY_MODEL.parent / "tokenizer_golden.json").read_text())
+
+
+def copy_without_weights(dst):
+    shutil.copytree(TINY_MODEL, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+
+
+def test_sharded_safetensors_load_like_one_file(tmp_path, tiny_model):
+    copy_without_weights(tmp_path / "m")
+    tensors = load_file(TINY_MODEL / "model.safetensors")
+    names = sorted(tensors)
+    index = {}
+    for i, part in enumerate((names[::2], names[1::2])):
+        file = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(tmp_path / "m" / file))
+        index.update({n: file for n in part})
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    sharded = load_model(tmp_path / "m")
+    assert sharded.weights.keys() == tiny_model.weights.keys()
+    assert all(np.array_equal(sharded.weights[k], tiny_model.weights[k]) for k in names)
+
+
+def write_bf16_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
+    """bfloat16 safetensors, written by hand (numpy has no bfloat16 type)."""
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        bits = (t.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + len(bits)]}
+        blobs.append(bits)
+        offset += len(bits)
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
+
+
+def test_bfloat16_safetensors_are_widened_exactly(tmp_path):
+    copy_without_weights(tmp_path / "m")
+    tensors = load_file(TINY_MODEL / "model.safetensors")
+    write_bf16_safetensors(tmp_path / "m" / "model.safetensors", tensors)
+    loaded = load_model(tmp_path / "m")
+    for name, t in tensors.items():
+        truncated = ((t.view(np.uint32) >> 16) << 16).view(np.float32)
+        assert np.array_equal(loaded.weights[name], truncated), name
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    def llama_cpp_permute(w, n_head):  # as in llama.cpp's convert_hf_to_gguf.py
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = np.random.default_rng(0).standard_normal((3 * 64, 10)).astype(np.float32)
+    assert np.array_equal(unpermute_qk(llama_cpp_permute(w, 3), 3), w)
+    assert not np.array_equal(llama_cpp_permute(w, 3), w)
+
+
+def test_convert_gguf_writes_an_equivalent_hf_directory(tmp_path, smollm2):
+    out = tmp_path / "smollm2-hf"
+    subprocess.run([sys.executable, "-m", "server", "convert-gguf", str(embedded_model_path()), str(out)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    converted = load_model(out)
+    assert converted.config == smollm2.config
+    assert all(np.array_equal(converted.weights[k], v) for k, v in smollm2.weights.items())
+    for case in GOLDEN["smollm2"]["encode"]:
+        assert converted.tokenizer.encode(case["text"]) == case["ids"]
+    for case in GOLDEN["smollm2"]["chat"]:
+        assert converted.tokenizer.encode_chat(case["messages"], case["add_generation_prompt"])[0] == case["ids"]
+    assert converted.tokenizer.eos_token_ids == smollm2.tokenizer.eos_token_ids
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.mkdir(), "config.json"),
+    (lambda p: p.write_text("x"), "neither"),
+])
+def test_bad_model_paths_say_what_is_wrong(tmp_path, setup, message):
+    path = tmp_path / "model"
+    setup(path)
+    with pytest.raises((FileNotFoundError, ValueError), match=message):
+        load_model(path)
+
+
+def test_non_llama_models_are_refused(tmp_path):
+    copy_without_weights(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="Llama-architecture"):
+        load_model(tmp_path / "m")

@@ -1,0 +1,100 @@
+"""The server as users meet it: a subprocess on a real socket, the embedded default model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llamastream.v1 import generation_pb2 as pb
+from tests.conftest import TINY_MODEL
+from tests.serving import ServerProcess, chat, check_stream_shape, collect, stub
+
+GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent))
+GREEDY = pb.SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--max-num-seqs", "32") as s:
+        yield s
+
+
+def test_chat_answers_paris(server):
+    msgs, text = collect(stub(server.address).Generate(chat("What is the capital of France?", sampling=GREEDY), timeout=120))
+    check_stream_shape(msgs)
+    assert "Paris" in text
+    finished = msgs[-1].finished
+    assert finished.reason == pb.FINISH_REASON_STOP and finished.usage.completion_tokens == sum(
+        len(m.delta.token_ids) for m in msgs if m.HasField("delta"))
+    assert msgs[0].started.prompt_tokens == finished.usage.prompt_tokens > 0
+
+
+def test_twenty_concurrent_streams_match_alone(server):
+    questions = [f"Give me one fact about the number {i}." for i in range(20)]
+    client = stub(server.address)
+
+    def ask(q: str) -> str:
+        request = chat(q, sampling=GREEDY, stop=pb.StopCriteria(max_tokens=24))
+        msgs, text = collect(client.Generate(request, timeout=300))
+        check_stream_shape(msgs)
+        return text
+
+    alone = [ask(q) for q in questions[:4]]
+    with ThreadPoolExecutor(20) as pool:
+        together = list(pool.map(ask, questions))
+    assert together[:4] == alone
+    assert all(together)
+
+
+def test_health_is_serving(server):
+    with grpc.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "llamastream.v1.Generation"):
+            response = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def grpcurl(*args: str) -> str:
+    return subprocess.run([GRPCURL, *args], capture_output=True, text=True, timeout=120, check=True).stdout
+
+
+def test_grpcurl_lists_services_and_streams_through_reflection(server):
+    services = grpcurl("-plaintext", server.address, "list").split()
+    assert {"llamastream.v1.Generation", "grpc.health.v1.Health"} <= set(services)
+    # The README's command, as written (only the address differs).
+    body = '{"chat":{"messages":[{"role":"user","content":"Hi"}]}}'
+    out = grpcurl("-plaintext", "-d", body, server.address, "llamastream.v1.Generation/Generate")
+    messages = [json.loads(m) for m in out.replace("}\n{", "}\x00{").split("\x00")]
+    assert "started" in messages[0] and "finished" in messages[-1]
+    assert any(m.get("delta", {}).get("text") for m in messages)
+
+
+def test_sigterm_drains_in_flight_streams():
+    with ServerProcess("--model", str(TINY_MODEL), "--grace", "60") as s:
+        client = stub(s.address)
+        request = pb.GenerateRequest(prompt="drain", sampling=GREEDY, stop=pb.StopCriteria(max_tokens=400, ignore_eos=True))
+        streams = [client.Generate(request, timeout=120) for _ in range(3)]
+        firsts = [next(st) for st in streams]  # all three are in flight
+        assert all(f.HasField("started") for f in firsts)
+        s.terminate()
+        results = []
+        threads = [threading.Thread(target=lambda st=st: results.append(collect(st)[0])) for st in streams]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(results) == 3
+        assert all(m[-1].finished.usage.completion_tokens == 400 for m in results)
+        with pytest.raises(grpc.RpcError) as e:
+            list(client.Generate(request, timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert s.proc.wait(60) == 0
