@@ -108,11 +108,18 @@ class Server:
             pass
 
     def drain(self) -> None:
-        """Stop taking calls, let in-flight streams finish within the grace period, stop."""
-        log.info("draining: up to %.0f s for in-flight streams", self.cfg.grace)
+        """Refuse new calls (UNAVAILABLE, health NOT_SERVING), let in-flight streams
+        finish within the grace period, then stop.
+
+        grpc's own stop() would answer new calls CANCELLED, so it comes last.
+        """
+        log.info("draining: up to %.0f s for %d in-flight requests", self.cfg.grace, self.loop.num_in_flight())
         self.servicer.accepting.clear()
         self.health.enter_graceful_shutdown()
-        self.grpc_server.stop(self.cfg.grace).wait()
+        deadline = time.monotonic() + self.cfg.grace
+        while self.loop.num_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.grpc_server.stop(grace=1.0).wait()  # time to send the streams' last messages
         self.loop.stop()
         log.info("stopped")
 

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -81,20 +82,24 @@ def test_grpcurl_lists_services_and_streams_through_reflection(server):
 def test_sigterm_drains_in_flight_streams():
     with ServerProcess("--model", str(TINY_MODEL), "--grace", "60") as s:
         client = stub(s.address)
-        request = pb.GenerateRequest(prompt="drain", sampling=GREEDY, stop=pb.StopCriteria(max_tokens=400, ignore_eos=True))
+        tokens = 3000  # long enough to be in flight through the whole drain
+        request = pb.GenerateRequest(prompt="drain", sampling=GREEDY, stop=pb.StopCriteria(max_tokens=tokens, ignore_eos=True))
         streams = [client.Generate(request, timeout=120) for _ in range(3)]
-        firsts = [next(st) for st in streams]  # all three are in flight
-        assert all(f.HasField("started") for f in firsts)
-        s.terminate()
+        assert all(next(st).HasField("started") for st in streams)  # all three are in flight
         results = []
         threads = [threading.Thread(target=lambda st=st: results.append(collect(st)[0])) for st in streams]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(120)
-        assert len(results) == 3
-        assert all(m[-1].finished.usage.completion_tokens == 400 for m in results)
+        s.terminate()
+        with grpc.insecure_channel(s.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                time.sleep(0.01)  # (NOT_SERVING as soon as the drain begins)
+        assert not results, "the streams ended before the drain began: make them longer"
         with pytest.raises(grpc.RpcError) as e:
             list(client.Generate(request, timeout=10))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        for t in threads:
+            t.join(120)
+        assert [m[-1].finished.usage.completion_tokens for m in results] == [tokens] * 3
         assert s.proc.wait(60) == 0

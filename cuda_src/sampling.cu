@@ -1,0 +1,148 @@
+#include "common.cuh"
+
+// Sampling on the GPU: only the chosen token ids go back to the host.
+
+// Penalties and banned tokens, one thread per (sequence, token) entry the host lists:
+//   repetition: logit / r if logit > 0 else logit * r   (tokens of prompt and output)
+//   presence and frequency: logit -= frequency * count + presence * (count > 0)  (output)
+//   banned (eos and stop tokens before min_tokens): -inf
+extern "C" __global__ void apply_penalties(float* __restrict__ logits, int vocab, int entries,
+                                           const int* __restrict__ entry_row, const int* __restrict__ entry_token,
+                                           const int* __restrict__ entry_count, const int* __restrict__ entry_banned,
+                                           const float* __restrict__ repetition, const float* __restrict__ presence,
+                                           const float* __restrict__ frequency) {
+    int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= entries) return;
+    int row = entry_row[e];
+    float* x = logits + (size_t)row * vocab + entry_token[e];
+    if (entry_banned[e]) {
+        *x = -INFINITY;
+        return;
+    }
+    float v = *x, r = repetition[row];
+    v = v > 0.f ? v / r : v * r;
+    int count = entry_count[e];
+    v -= frequency[row] * count + presence[row] * (count > 0);
+    *x = v;
+}
+
+// Philox4x32-10 (Salmon et al., 2011): a counter-based generator, so a request's
+// draw depends only on its seed and its step, never on the rest of the batch.
+__device__ uint32_t philox_first_word(uint32_t k0, uint32_t k1, uint32_t c0) {
+    uint32_t c[4] = {c0, 0u, 0u, 0u};
+    for (int round = 0; round < 10; round++) {
+        uint32_t hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+        uint32_t hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+        uint32_t n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+        c[0] = n0; c[1] = lo1; c[2] = n2; c[3] = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return c[0];
+}
+
+#define SAMPLE_THREADS 1024
+
+// Count (or mass) of probabilities p_i = exp((logit_i - max) / temperature) >= threshold.
+__device__ float kept(const float* x, int vocab, float max, float inv_t, float threshold, bool mass, float* scratch) {
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float p = __expf((x[i] - max) * inv_t);
+        if (p >= threshold) acc += mass ? p : 1.f;
+    }
+    return block_sum(acc, scratch);
+}
+
+// The largest threshold whose kept count (or mass) is still >= target: bisection on
+// the bits of positive floats, which order like the floats themselves.
+__device__ float largest_threshold(const float* x, int vocab, float max, float inv_t, float target, bool mass,
+                                   float* scratch) {
+    uint32_t lo = 0u, hi = __float_as_uint(1.f);  // p is in (0, 1]: the best token has p = 1
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo + 1) / 2;
+        if (kept(x, vocab, max, inv_t, __uint_as_float(mid), mass, scratch) >= target) lo = mid;
+        else hi = mid - 1;
+    }
+    return __uint_as_float(lo);
+}
+
+// One block per sampling sequence:
+//   temperature 0: the first index of the largest logit;
+//   else keep tokens with p >= max(top-k threshold, top-p threshold, min_p), where
+//   p = exp((logit - max) / temperature), and draw one in proportion to p with
+//   u = philox(seed, step).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_tokens(
+    int* __restrict__ out, const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
+    const float* __restrict__ top_p, const int* __restrict__ top_k, const float* __restrict__ min_p,
+    const uint32_t* __restrict__ seed_lo, const uint32_t* __restrict__ seed_hi, const int* __restrict__ step) {
+    __shared__ float scratch[32];
+    __shared__ float chunk_excl[SAMPLE_THREADS];
+    __shared__ int best_idx[32];
+    __shared__ int choice;
+    const int row = blockIdx.x;
+    const float* x = logits + (size_t)row * vocab;
+
+    // argmax, first index on ties
+    float best = -INFINITY;
+    int arg = vocab;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+        if (x[i] > best) { best = x[i]; arg = i; }
+    float max = block_max(best, scratch);
+    int cand = best == max ? arg : vocab;
+    for (int o = 16; o > 0; o >>= 1) cand = min(cand, __shfl_xor_sync(0xffffffff, cand, o));
+    if ((threadIdx.x & 31) == 0) best_idx[threadIdx.x >> 5] = cand;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int a = vocab;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) a = min(a, best_idx[w]);
+        choice = a;
+    }
+    __syncthreads();
+    const float t = temperature[row];
+    if (t == 0.f) {
+        if (threadIdx.x == 0) out[row] = choice;
+        return;
+    }
+    const float inv_t = 1.f / t;
+    float threshold = min_p[row];
+    const int k = top_k[row];
+    if (k > 0 && k < vocab) threshold = fmaxf(threshold, largest_threshold(x, vocab, max, inv_t, (float)k, false, scratch));
+    if (top_p[row] < 1.f) {
+        float total = kept(x, vocab, max, inv_t, 0.f, true, scratch);
+        threshold = fmaxf(threshold, largest_threshold(x, vocab, max, inv_t, top_p[row] * total, true, scratch));
+    }
+    // Each thread owns a contiguous chunk of the vocabulary: scan chunk masses, then
+    // the thread whose chunk holds u finds the token in it.
+    const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
+    const int lo = threadIdx.x * chunk, hi = min(vocab, lo + chunk);
+    float mine = 0.f;
+    for (int i = lo; i < hi; i++) {
+        float p = __expf((x[i] - max) * inv_t);
+        if (p >= threshold) mine += p;
+    }
+    chunk_excl[threadIdx.x] = mine;
+    __syncthreads();
+    if (threadIdx.x == 0) {  // exclusive scan; 1024 adds, once per sampled token
+        float run = 0.f;
+        for (int i = 0; i < (int)blockDim.x; i++) { float v = chunk_excl[i]; chunk_excl[i] = run; run += v; }
+        scratch[0] = run;
+        uint32_t bits = philox_first_word(seed_lo[row], seed_hi[row], (uint32_t)step[row]);
+        scratch[1] = (bits >> 8) * (1.f / 16777216.f) * run;  // u in [0, kept mass)
+    }
+    __syncthreads();
+    const float u = scratch[1], start = chunk_excl[threadIdx.x];
+    if (mine > 0.f && u >= start && u < start + mine) {
+        float run = start;
+        int pick = -1, last = -1;
+        for (int i = lo; i < hi && pick < 0; i++) {
+            float p = __expf((x[i] - max) * inv_t);
+            if (p < threshold) continue;
+            last = i;
+            run += p;
+            if (u < run) pick = i;
+        }
+        choice = pick >= 0 ? pick : last;  // rounding at the chunk's end
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) out[row] = choice;
+}
