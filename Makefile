@@ -29,7 +29,7 @@ $(STUBS) &: $(PROTO) $(VENV)/.installed
 # On a machine with an NVIDIA GPU and pycuda (see README): the CUDA backend's tests.
 gpu-test:
 	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO)
-	$(PYTHON) -m pytest -q -ra tests/gpu
+	$(PYTHON) -m pytest -q -ra -s tests/gpu
 
 bench-cpu: $(VENV)/.installed $(STUBS)
 	$(BIN)/python bench/cpu_decode.py

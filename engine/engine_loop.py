@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import traceback
+from typing import Callable
 
 from engine.llm_engine import LLMEngine
 from engine.output import RequestOutput
@@ -22,8 +23,9 @@ class DuplicateRequest(ValueError):
     """A request id that is already in flight."""
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_fatal: Callable[[str], None] | None = None):
         self.engine = engine
+        self.on_fatal = on_fatal
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: dict[str, queue.SimpleQueue] = {}
         self._lock = threading.Lock()  # guards _outputs against the RPC threads
@@ -72,9 +74,17 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # a fault fails the requests of this step only
+            except Exception as e:  # a fault fails the requests of this step only...
                 log.error("engine step failed:\n%s", traceback.format_exc())
-                outputs = self.engine.fail_step(f"engine fault: {type(e).__name__}: {e}")
+                error = f"engine fault: {type(e).__name__}: {e}"
+                outputs = self.engine.fail_step(error)
+                if getattr(self.engine.backend, "is_fatal", lambda _: False)(e):
+                    # ...unless the device may be unusable: fail everything and stop.
+                    self.fatal_error = error
+                    self._dispatch(outputs + self.engine.fail_all(error))
+                    if self.on_fatal:
+                        self.on_fatal(error)
+                    return
             self._dispatch(outputs)
 
     def _apply_inbox(self, block: bool) -> None:
@@ -100,4 +110,3 @@ class EngineLoop:
             if q is not None:
                 q.put(out)
 
-__all__ = ["DuplicateRequest", "EngineLoop", "FinishReason"]

@@ -109,6 +109,13 @@ class LLMEngine:
         self._last_batch = []
         return failed
 
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every live request with an error (the backend can no longer run)."""
+        return [
+            self._finish(stream.seq, RequestOutput(rid, finish_reason=FinishReason.ERROR, error=error))
+            for rid, stream in list(self._streams.items())
+        ]
+
     def _finish(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
         self.scheduler.finish(seq)
         del self._streams[seq.request_id]

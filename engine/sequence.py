@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -39,11 +40,13 @@ class Sequence:
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    seed: int = field(init=False)  # the request's, or a random one
     rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Philox, seeded per request: draws do not depend on the rest of the batch.
-        self.rng = np.random.Generator(np.random.Philox(self.params.seed))
+        self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(64)
+        self.rng = np.random.Generator(np.random.Philox(self.seed))
 
     @property
     def all_ids(self) -> list[int]:

@@ -34,7 +34,8 @@ class ServerConfig:
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 2.0
+    kv_cache_memory_gb: float = 2.0  # numpy backend
+    gpu_memory_utilization: float = 0.9  # cuda backend
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -59,7 +60,12 @@ class Server:
         self.cfg = cfg
         model = load_model(cfg.model, LoadingProgress())
         backend = create_backend(cfg.device, model.config, model.weights)
-        num_blocks = cfg.num_kv_blocks or int(cfg.kv_cache_memory_gb * 2**30 // backend.kv_cache_bytes_per_block(cfg.block_size))
+        if cfg.num_kv_blocks:
+            num_blocks = cfg.num_kv_blocks
+        elif backend.name == "cuda":
+            num_blocks = backend.blocks_for_memory_fraction(cfg.gpu_memory_utilization, cfg.block_size)
+        else:
+            num_blocks = int(cfg.kv_cache_memory_gb * 2**30 // backend.kv_cache_bytes_per_block(cfg.block_size))
         engine = LLMEngine(model, backend, EngineConfig(
             block_size=cfg.block_size,
             num_kv_blocks=num_blocks,
@@ -69,7 +75,8 @@ class Server:
         ))
         log.info("model %s on %s: %d KV blocks of %d tokens (%d tokens), context %d",
                  model.name, backend.name, num_blocks, cfg.block_size, num_blocks * cfg.block_size, engine.max_model_len)
-        self.loop = EngineLoop(engine)
+        self.loop = EngineLoop(engine, on_fatal=self._on_fatal)
+        self.exit_code = 0
         self.servicer = GenerationServicer(self.loop, backend.name, cfg.max_num_seqs + cfg.max_waiting)
         self.health = health.HealthServicer()
         # One thread per open stream: room for every request the engine may hold, plus unary calls.
@@ -123,9 +130,18 @@ class Server:
         self.loop.stop()
         log.info("stopped")
 
-    def run_until_signal(self) -> None:
+    def _on_fatal(self, error: str) -> None:
+        """The engine stopped on a device error: stop serving, exit non-zero for a supervisor to restart us."""
+        log.critical("%s: the server stops", error)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.exit_code = 1
+        self._stop.set()
+
+    def run_until_signal(self) -> int:
+        """Serve until SIGTERM or SIGINT (then drain) or a fatal engine error; return the exit code."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop.set())
         self.start()
         self._stop.wait()
         self.drain()
+        return self.exit_code

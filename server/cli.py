@@ -24,6 +24,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: as many as --kv-cache-memory-gb holds)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb, help="memory for the KV cache on the CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="fraction of the GPU's memory the server may use; the KV cache takes what the weights leave")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's, within the KV cache)")
     p.add_argument("--grace", type=float, default=d.grace, help="seconds in-flight streams get to finish on SIGTERM")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -62,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
         logging.getLogger("llamastream").error("%s", e)
         return 1
-    server.run_until_signal()
-    return 0
+    return server.run_until_signal()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,81 @@
+"""A small typed binding to cuBLAS through ctypes: a handle on a stream, and GEMM.
+
+Weights are row-major [out, in], activations row-major [tokens, in]. cuBLAS is
+column-major, where a row-major [r, c] matrix reads as [c, r]; so Y = X W^T is asked
+for as Y^T = op(W) X^T with op(W) = transpose: nothing is transposed in memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import sys
+from pathlib import Path
+
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUDA_R_32F, CUDA_R_16BF = 0, 14
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+
+
+class CublasError(RuntimeError):
+    pass
+
+
+def _candidates() -> list[str]:
+    """Where libcublas may be, in the order searched."""
+    places = []
+    for home in filter(None, (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda")):
+        places += sorted(glob.glob(f"{home}/lib64/libcublas.so*")) or [f"{home}/lib64/libcublas.so"]
+    found = ctypes.util.find_library("cublas")
+    places.append(found or "libcublas.so (the loader path)")
+    for site in sys.path:  # the nvidia-cublas wheel
+        for sub in ("nvidia/cublas/lib", "nvidia/cu13/lib", "nvidia/cu12/lib"):
+            places += sorted(glob.glob(str(Path(site) / sub / "libcublas.so*")))
+    return places
+
+
+def load_cublas() -> ctypes.CDLL:
+    tried = []
+    for place in _candidates():
+        name = "libcublas.so" if place.endswith("(the loader path)") else place
+        try:
+            return ctypes.CDLL(name)
+        except OSError as e:
+            tried.append(f"{place}: {e}")
+    raise CublasError(
+        "cuBLAS (libcublas.so) was not found. Searched:\n  " + "\n  ".join(tried)
+        + "\nSet CUDA_HOME to your CUDA toolkit, add its lib64 to LD_LIBRARY_PATH, or pip install nvidia-cublas."
+    )
+
+
+class Cublas:
+    def __init__(self, stream_handle: int, workspace_ptr: int, workspace_bytes: int):
+        self.lib = load_cublas()
+        self.handle = ctypes.c_void_p()
+        self._check(self.lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        self._check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream_handle)), "cublasSetStream")
+        self._check(self.lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(workspace_ptr), ctypes.c_size_t(workspace_bytes)),
+                    "cublasSetWorkspace")
+        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def _check(self, status: int, what: str) -> None:
+        if status != 0:
+            raise CublasError(f"{what} failed with cuBLAS status {status}")
+
+    def linear(self, y: int, x: int, w: int, tokens: int, d_in: int, d_out: int, out_f32: bool = False) -> None:
+        """y[tokens, d_out] = x[tokens, d_in] @ w[d_out, d_in]^T; bf16 in, bf16 (or f32) out, f32 compute."""
+        self._check(self.lib.cublasGemmEx(
+            self.handle, CUBLAS_OP_T, CUBLAS_OP_N, d_out, tokens, d_in,
+            ctypes.byref(self._one), ctypes.c_void_p(w), CUDA_R_16BF, d_in,
+            ctypes.c_void_p(x), CUDA_R_16BF, d_in,
+            ctypes.byref(self._zero), ctypes.c_void_p(y), CUDA_R_32F if out_f32 else CUDA_R_16BF, d_out,
+            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
+        ), "cublasGemmEx")
+
+    def close(self) -> None:
+        if self.handle:
+            self.lib.cublasDestroy_v2(self.handle)
+            self.handle = ctypes.c_void_p()

@@ -1,0 +1,310 @@
+"""The CUDA backend: our kernels in cuda_src/ (compiled by PyCUDA) and cuBLAS GEMMs.
+
+Weights live on the GPU in bfloat16 with Q/K/V and gate/up fused; the residual
+stream is float32 holding bfloat16 values, as transformers' bfloat16 hidden states
+are. One step uploads its token metadata in one copy, runs every layer on one
+stream, samples on the GPU and copies back only the chosen token ids (and the
+logits rows of requests that asked for logprobs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pycuda.driver as cuda
+import pycuda.gpuarray as gpuarray
+from pycuda.compiler import SourceModule
+from pycuda.tools import DeviceMemoryPool
+
+from engine.backends.cublas import Cublas, CublasError
+from engine.config import ModelConfig
+from engine.sampler import SampleOutput, TokenLogprob, log_softmax
+from engine.scheduler import ScheduledSeq
+from engine.weights import Weights, f32_to_bf16_bits
+
+log = logging.getLogger("llamastream.engine")
+CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
+PARTITION = 512  # context positions per attention thread block
+WORKSPACE_BYTES = 32 * 2**20
+ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
+
+
+def _ptr(a) -> np.uintp:
+    return np.uintp(int(a.gpudata) if hasattr(a, "gpudata") else int(a))
+
+
+class Kernels:
+    """The kernels of cuda_src/, compiled for this device and prepared for launch."""
+
+    SIGNATURES = {
+        "embedding_gather": ("embedding.cu", "PPPi"),
+        "add_rmsnorm": ("rmsnorm.cu", "PPPPPif"),
+        "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
+        "paged_attention_partial": ("attention.cu", "PPPPPPPiPPiiiif"),
+        "paged_attention_merge": ("attention.cu", "PPPPi"),
+        "silu_and_mul": ("activation.cu", "PPi"),
+        "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
+        "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
+    }
+
+    def __init__(self, head_dim: int, arch: str):
+        modules = {}
+        for name, (file, signature) in self.SIGNATURES.items():
+            if file not in modules:
+                modules[file] = SourceModule(
+                    (CUDA_SRC / file).read_text(), no_extern_c=True, arch=arch,
+                    options=["-O3", f"-DHEAD_DIM={head_dim}"], include_dirs=[str(CUDA_SRC)],
+                )
+            fn = modules[file].get_function(name)
+            fn.prepare(signature)
+            setattr(self, name, fn)
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, config: ModelConfig, weights: Weights, device: int = 0):
+        if config.head_dim % 32 or config.num_heads // config.num_kv_heads > 8:
+            raise ValueError("the CUDA attention kernel needs head_dim a multiple of 32 and at most 8 heads per KV head")
+        self.config = config
+        cuda.init()
+        self.device = cuda.Device(device)
+        self.ctx = self.device.retain_primary_context()
+        with self._context():
+            major, minor = self.device.compute_capability()
+            self.kernels = Kernels(config.head_dim, f"sm_{major}{minor}")
+            self.stream = cuda.Stream()
+            self.pool = DeviceMemoryPool()
+            self.workspace = cuda.mem_alloc(WORKSPACE_BYTES)
+            self.blas = Cublas(self.stream.handle, int(self.workspace), WORKSPACE_BYTES)
+            self._upload_weights(weights)
+            self.inv_freq = gpuarray.to_gpu(config.rope_inv_freq())
+        log.info("CUDA backend on %s: %.2f GB of bfloat16 weights", self.device.name(), self.weight_bytes / 1e9)
+        self.block_size = 0
+        self.k_cache: list[gpuarray.GPUArray] = []
+        self.v_cache: list[gpuarray.GPUArray] = []
+
+    @contextlib.contextmanager
+    def _context(self):
+        """Make our context current on the calling thread (the engine thread, in serving)."""
+        self.ctx.push()
+        try:
+            yield
+        finally:
+            cuda.Context.pop()
+
+    def _upload_weights(self, weights: Weights) -> None:
+        self.weight_bytes = 0
+
+        def up(*names: str) -> gpuarray.GPUArray:
+            bits = f32_to_bf16_bits(np.concatenate([weights[n] for n in names]))
+            self.weight_bytes += bits.nbytes
+            return gpuarray.to_gpu(bits)
+
+        c = self.config
+        self.embed = up("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else up("lm_head.weight")
+        self.final_norm = up("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append({
+                "attn_norm": up(p + "input_layernorm.weight"),
+                "qkv": up(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                "o": up(p + "self_attn.o_proj.weight"),
+                "mlp_norm": up(p + "post_attention_layernorm.weight"),
+                "gate_up": up(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                "down": up(p + "mlp.down_proj.weight"),
+            })
+
+    # -- the KV cache -------------------------------------------------------------
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        c = self.config
+        return 2 * c.num_layers * block_size * c.kv_size * 2
+
+    def blocks_for_memory_fraction(self, fraction: float, block_size: int) -> int:
+        """KV blocks that fit while the process stays under `fraction` of the GPU's memory."""
+        with self._context():
+            free, total = cuda.mem_get_info()
+        budget = free - (1.0 - fraction) * total - ACTIVATION_RESERVE_BYTES
+        return max(1, int(budget // self.kv_cache_bytes_per_block(block_size)))
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        c = self.config
+        shape = (num_blocks * block_size, c.num_kv_heads, c.head_dim)
+        with self._context():
+            self.k_cache = [gpuarray.empty(shape, np.uint16) for _ in range(c.num_layers)]
+            self.v_cache = [gpuarray.empty(shape, np.uint16) for _ in range(c.num_layers)]
+        self.block_size = block_size
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, block_size,
+                 num_blocks * block_size, num_blocks * self.kv_cache_bytes_per_block(block_size) / 1e9)
+
+    def is_fatal(self, error: BaseException) -> bool:
+        """A driver or cuBLAS error may leave the context unusable: stop serving."""
+        return isinstance(error, (cuda.Error, CublasError))
+
+    # -- one step -----------------------------------------------------------------
+    def _empty(self, shape, dtype) -> gpuarray.GPUArray:
+        return gpuarray.empty(shape, dtype, allocator=self.pool.allocate)
+
+    def _upload_metadata(self, batch: list[ScheduledSeq]):
+        """Token ids, positions, cache slots, rows and block tables, in one int32 copy."""
+        bs = self.block_size
+        ids, positions, slots, token_seq = [], [], [], []
+        for i, s in enumerate(batch):
+            pos = np.arange(s.start, s.start + s.num_tokens)
+            table = np.asarray(s.seq.block_table, dtype=np.int64)
+            ids.append(np.asarray(s.seq.all_ids[s.start : s.start + s.num_tokens]))
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            token_seq.append(np.full(s.num_tokens, i))
+        tokens = sum(s.num_tokens for s in batch)
+        ends = np.cumsum([s.num_tokens for s in batch]) - 1
+        sample_rows = ends[[s.samples for s in batch]]
+        max_blocks = max(len(s.seq.block_table) for s in batch)
+        tables = np.zeros((len(batch), max_blocks), dtype=np.int64)
+        for i, s in enumerate(batch):
+            tables[i, : len(s.seq.block_table)] = s.seq.block_table
+        parts = [np.concatenate(x) for x in (ids, positions, slots, token_seq)]
+        parts += [np.arange(tokens), sample_rows, tables.ravel()]
+        host = np.concatenate(parts).astype(np.int32)
+        dev = self._empty(host.shape, np.int32)
+        dev.set_async(host, stream=self.stream)
+        offsets = np.cumsum([0] + [len(p) for p in parts])
+        base = int(dev.gpudata)
+        views = [np.uintp(base + 4 * int(o)) for o in offsets[:-1]]
+        meta = dict(zip(("ids", "positions", "slots", "token_seq", "all_rows", "sample_rows", "tables"), views))
+        max_ctx = max(s.start + s.num_tokens for s in batch)
+        # (dev goes back to the pool when the caller drops it; later work on this one
+        # stream is ordered after the kernels that read it)
+        return meta, dev, tokens, len(sample_rows), max_blocks, max_ctx
+
+    def _forward(self, batch: list[ScheduledSeq]) -> gpuarray.GPUArray:
+        """Run the step's tokens; return float32 logits [sampling sequences, vocab] on the GPU."""
+        c, k, st = self.config, self.kernels, self.stream
+        meta, _metadata, T, S, max_blocks, max_ctx = self._upload_metadata(batch)
+        H, KVH, D, I = c.hidden_size, c.num_kv_heads, c.head_dim, c.intermediate_size
+        group = c.num_heads // KVH
+        P = math.ceil(max_ctx / PARTITION)
+        residual = self._empty((T, H), np.float32)
+        h = self._empty((T, H), np.uint16)
+        qkv = self._empty((T, c.q_size + 2 * c.kv_size), np.uint16)
+        attn = self._empty((T, c.q_size), np.uint16)
+        delta = self._empty((T, H), np.uint16)
+        gate_up = self._empty((T, 2 * I), np.uint16)
+        act = self._empty((T, I), np.uint16)
+        part_acc = self._empty((T, c.num_heads, P, D), np.float32)
+        part_max = self._empty((T, c.num_heads, P), np.float32)
+        part_sum = self._empty((T, c.num_heads, P), np.float32)
+        eps, scale = np.float32(c.rms_norm_eps), np.float32(D ** -0.5)
+        rope_threads = min(1024, (c.num_heads + KVH) * D // 2)
+
+        k.embedding_gather.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(residual), _ptr(self.embed), meta["ids"], np.int32(H))
+        has_delta = np.uintp(0)
+        for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
+            k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(residual), has_delta, _ptr(layer["attn_norm"]),
+                                              _ptr(h), meta["all_rows"], np.int32(H), eps)
+            self.blas.linear(int(qkv.gpudata), int(h.gpudata), int(layer["qkv"].gpudata), T, H, c.q_size + 2 * c.kv_size)
+            k.rope_and_cache.prepared_async_call((T, 1), (rope_threads, 1, 1), st, _ptr(qkv), _ptr(kc), _ptr(vc),
+                                                 meta["positions"], meta["slots"], _ptr(self.inv_freq),
+                                                 np.int32(c.num_heads), np.int32(KVH), np.int32(D))
+            k.paged_attention_partial.prepared_async_call(
+                (T, KVH, P), (32 * group, 1, 1), st, _ptr(part_acc), _ptr(part_max), _ptr(part_sum), _ptr(qkv),
+                _ptr(kc), _ptr(vc), meta["tables"], np.int32(max_blocks), meta["token_seq"], meta["positions"],
+                np.int32(c.num_heads), np.int32(KVH), np.int32(self.block_size), np.int32(PARTITION), scale)
+            k.paged_attention_merge.prepared_async_call((T, c.num_heads), (D, 1, 1), st, _ptr(attn), _ptr(part_acc),
+                                                        _ptr(part_max), _ptr(part_sum), np.int32(P))
+            self.blas.linear(int(delta.gpudata), int(attn.gpudata), int(layer["o"].gpudata), T, c.q_size, H)
+            k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(residual), _ptr(delta), _ptr(layer["mlp_norm"]),
+                                              _ptr(h), meta["all_rows"], np.int32(H), eps)
+            self.blas.linear(int(gate_up.gpudata), int(h.gpudata), int(layer["gate_up"].gpudata), T, H, 2 * I)
+            k.silu_and_mul.prepared_async_call(((I + 255) // 256, T), (256, 1, 1), st, _ptr(act), _ptr(gate_up), np.int32(I))
+            self.blas.linear(int(delta.gpudata), int(act.gpudata), int(layer["down"].gpudata), T, I, H)
+            has_delta = _ptr(delta)
+        final = self._empty((max(S, 1), H), np.uint16)
+        logits = self._empty((max(S, 1), c.vocab_size), np.float32)
+        if S:
+            k.add_rmsnorm.prepared_async_call((S, 1), (256, 1, 1), st, _ptr(residual), has_delta, _ptr(self.final_norm),
+                                              _ptr(final), meta["sample_rows"], np.int32(H), eps)
+            self.blas.linear(int(logits.gpudata), int(final.gpudata), int(self.lm_head.gpudata), S, H, c.vocab_size, out_f32=True)
+        return logits[:S]
+
+    def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
+        """Logits of the sampling sequences, on the host (for tests and logprobs)."""
+        with self._context():
+            logits = self._forward(batch).get(stream=self.stream)
+            self.stream.synchronize()
+        return logits
+
+    def execute(self, batch: list[ScheduledSeq]) -> list[SampleOutput | None]:
+        sampling = [s.seq for s in batch if s.samples]
+        with self._context():
+            logits = self._forward(batch)
+            outputs = self._sample(logits, sampling) if sampling else []
+            self.stream.synchronize()
+        it = iter(outputs)
+        return [next(it) if s.samples else None for s in batch]
+
+    # -- sampling -------------------------------------------------------------------
+    def _sample(self, logits: gpuarray.GPUArray, seqs) -> list[SampleOutput]:
+        st, S, V = self.stream, len(seqs), self.config.vocab_size
+        raw = {}
+        wants = [i for i, q in enumerate(seqs) if q.params.top_logprobs is not None]
+        if wants:  # logprobs describe the raw distribution: read those rows before penalties
+            host = logits.get(stream=st)
+            st.synchronize()
+            raw = {i: log_softmax(host[i].astype(np.float64)) for i in wants}
+        self._apply_penalties(logits, seqs)
+        p = [q.params for q in seqs]
+        to_gpu = lambda values, dtype: gpuarray.to_gpu_async(np.asarray(values, dtype=dtype), allocator=self.pool.allocate, stream=st)  # noqa: E731
+        args = [
+            to_gpu([x.temperature for x in p], np.float32), to_gpu([x.top_p for x in p], np.float32),
+            to_gpu([x.top_k for x in p], np.int32), to_gpu([x.min_p for x in p], np.float32),
+            to_gpu([q.seed & 0xFFFFFFFF for q in seqs], np.uint32), to_gpu([(q.seed >> 32) & 0xFFFFFFFF for q in seqs], np.uint32),
+            to_gpu([len(q.output_ids) for q in seqs], np.int32),
+        ]
+        out = self._empty((S,), np.int32)
+        self.kernels.sample_tokens.prepared_async_call((S, 1), (1024, 1, 1), st, _ptr(out), _ptr(logits), np.int32(V),
+                                                       *[_ptr(a) for a in args])
+        tokens = out.get(stream=st)
+        st.synchronize()
+        results = []
+        for i, (q, t) in enumerate(zip(seqs, tokens.tolist())):
+            lp = None
+            if i in raw:
+                n = q.params.top_logprobs
+                top = np.argsort(-raw[i], kind="stable")[:n]
+                lp = TokenLogprob(t, float(raw[i][t]), [(int(j), float(raw[i][j])) for j in top])
+            results.append(SampleOutput(t, lp))
+        return results
+
+    def _apply_penalties(self, logits: gpuarray.GPUArray, seqs) -> None:
+        rows, toks, counts, banned = [], [], [], []
+        for i, q in enumerate(seqs):
+            pp = q.params
+            ban = set(q.banned_token_ids())  # one entry per token: two would race
+            if pp.repetition_penalty != 1.0 or pp.presence_penalty or pp.frequency_penalty:
+                seen = np.unique(np.asarray(q.prompt_ids + q.output_ids))
+                out_ids, out_counts = np.unique(np.asarray(q.output_ids, dtype=np.int64), return_counts=True)
+                count = dict(zip(out_ids.tolist(), out_counts.tolist()))
+                for t in seen.tolist():
+                    if t not in ban:
+                        rows.append(i); toks.append(t); counts.append(count.get(t, 0)); banned.append(0)
+            for t in ban:
+                rows.append(i); toks.append(t); counts.append(0); banned.append(1)
+        if not rows:
+            return
+        st = self.stream
+        up = lambda v, dt: gpuarray.to_gpu_async(np.asarray(v, dtype=dt), allocator=self.pool.allocate, stream=st)  # noqa: E731
+        arrays = [up(rows, np.int32), up(toks, np.int32), up(counts, np.int32), up(banned, np.int32),
+                  up([q.params.repetition_penalty for q in seqs], np.float32),
+                  up([q.params.presence_penalty for q in seqs], np.float32),
+                  up([q.params.frequency_penalty for q in seqs], np.float32)]
+        n = len(rows)
+        self.kernels.apply_penalties.prepared_async_call(((n + 255) // 256, 1), (256, 1, 1), st, _ptr(logits),
+                                                         np.int32(self.config.vocab_size), np.int32(n),
+                                                         *[_ptr(a) for a in arrays])

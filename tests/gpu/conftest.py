@@ -1,0 +1,44 @@
+"""GPU tests: collected everywhere, run only where the CUDA backend can (`make gpu-test`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.backends import cuda_unavailable_reason
+from engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
+
+REASON = cuda_unavailable_reason()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.gpu)
+            if REASON:
+                item.add_marker(pytest.mark.skip(reason=f"needs an NVIDIA GPU: {REASON}"))
+
+
+@pytest.fixture(scope="session")
+def cuda_context():
+    import pycuda.driver as cuda
+
+    cuda.init()
+    ctx = cuda.Device(0).retain_primary_context()
+    ctx.push()
+    yield ctx
+    cuda.Context.pop()
+
+
+def rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(got).all(), "non-finite output: an element was not written"
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """x rounded to bfloat16 values (float32)."""
+    return bf16_bits_to_f32(f32_to_bf16_bits(x))
+
+
+BF16_NAN = np.uint16(0x7FC0)

@@ -1,0 +1,242 @@
+"""Each CUDA kernel against the numpy backend's version of the same op.
+
+Fresh random inputs every run, outputs poisoned with NaN first so that an element a
+kernel fails to write shows up; relative L2 error under 1e-2 (bfloat16 storage).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pycuda.driver", reason="needs pycuda (pip install '.[cuda]') and an NVIDIA GPU")
+
+import pycuda.gpuarray as gpuarray  # noqa: E402
+
+from engine.backends import numpy_backend as ref  # noqa: E402
+from engine.backends.cublas import Cublas  # noqa: E402
+from engine.backends.cuda_backend import PARTITION, Kernels  # noqa: E402
+from engine.sampler import apply_penalties  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.weights import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
+from tests.gpu.conftest import BF16_NAN, bf16, rel_l2  # noqa: E402
+
+RNG = np.random.default_rng()
+TOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def kernels(cuda_context):
+    import pycuda.driver as cuda
+
+    major, minor = cuda.Context.get_device().compute_capability()
+    return Kernels(64, f"sm_{major}{minor}")
+
+
+def up_bf16(x: np.ndarray) -> gpuarray.GPUArray:
+    return gpuarray.to_gpu(f32_to_bf16_bits(x))
+
+
+def down_bf16(a: gpuarray.GPUArray) -> np.ndarray:
+    return bf16_bits_to_f32(a.get())
+
+
+def poisoned_bf16(shape) -> gpuarray.GPUArray:
+    return gpuarray.to_gpu(np.full(shape, BF16_NAN, np.uint16))
+
+
+def i32(values) -> gpuarray.GPUArray:
+    return gpuarray.to_gpu(np.asarray(values, dtype=np.int32))
+
+
+def launch(fn, grid, block, *args):
+    fn.prepared_call(grid, block, *[a.gpudata if isinstance(a, gpuarray.GPUArray) else a for a in args])
+
+
+@pytest.mark.parametrize("tokens, hidden", [(1, 64), (37, 2048), (5, 576)])
+def test_embedding_gather(kernels, tokens, hidden):
+    table = RNG.standard_normal((300, hidden)).astype(np.float32)
+    ids = RNG.integers(0, 300, tokens)
+    out = gpuarray.to_gpu(np.full((tokens, hidden), np.nan, np.float32))
+    launch(kernels.embedding_gather, (tokens, 1), (256, 1, 1), out, up_bf16(table), i32(ids), np.int32(hidden))
+    assert np.array_equal(out.get(), bf16(table)[ids])
+
+
+@pytest.mark.parametrize("tokens, hidden, with_delta", [(7, 2048, True), (3, 576, False), (64, 64, True)])
+def test_add_rmsnorm(kernels, tokens, hidden, with_delta):
+    residual = bf16(RNG.standard_normal((tokens, hidden)).astype(np.float32))
+    delta = RNG.standard_normal((tokens, hidden)).astype(np.float32)
+    weight = RNG.standard_normal(hidden).astype(np.float32)
+    rows = RNG.permutation(tokens)[: max(1, tokens // 2)]  # a subset, in any order
+    res_gpu = gpuarray.to_gpu(residual)
+    out = poisoned_bf16((len(rows), hidden))
+    launch(kernels.add_rmsnorm, (len(rows), 1), (256, 1, 1), res_gpu, up_bf16(delta) if with_delta else np.uintp(0),
+           up_bf16(weight), out, i32(rows), np.int32(hidden), np.float32(1e-5))
+    expected_res = residual + bf16(delta) if with_delta else residual
+    expected = ref.rms_norm(expected_res[rows], bf16(weight), 1e-5)
+    assert rel_l2(down_bf16(out), expected) < TOL
+    updated = res_gpu.get()
+    assert rel_l2(updated[rows], expected_res[rows]) < TOL
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (9, 3)])
+def test_rope_and_cache(kernels, heads, kv_heads):
+    from engine.config import ModelConfig, RopeScaling
+
+    D, tokens, slots_total = 64, 23, 200
+    cfg = ModelConfig(hidden_size=heads * D, num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
+                      intermediate_size=1, vocab_size=1, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192))
+    inv_freq = cfg.rope_inv_freq()
+    qkv = RNG.standard_normal((tokens, (heads + 2 * kv_heads) * D)).astype(np.float32)
+    positions = RNG.integers(0, 5000, tokens)
+    slots = RNG.permutation(slots_total)[:tokens]
+    qkv_gpu = up_bf16(qkv)
+    k_cache, v_cache = poisoned_bf16((slots_total, kv_heads, D)), poisoned_bf16((slots_total, kv_heads, D))
+    launch(kernels.rope_and_cache, (tokens, 1), (min(1024, (heads + kv_heads) * D // 2), 1, 1), qkv_gpu, k_cache, v_cache,
+           i32(positions), i32(slots), gpuarray.to_gpu(inv_freq), np.int32(heads), np.int32(kv_heads), np.int32(D))
+    cos, sin = ref.rope_cos_sin(positions, inv_freq)
+    q_in = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
+    k_in = bf16(qkv)[:, heads * D : (heads + kv_heads) * D].reshape(tokens, kv_heads, D)
+    q_out = down_bf16(qkv_gpu)[:, : heads * D].reshape(tokens, heads, D)
+    assert rel_l2(q_out, ref.apply_rope(q_in, cos, sin)) < TOL
+    k_got, v_got = down_bf16(k_cache), down_bf16(v_cache)
+    assert rel_l2(k_got[slots], ref.apply_rope(k_in, cos, sin)) < TOL
+    assert np.array_equal(v_got[slots], bf16(qkv)[:, (heads + kv_heads) * D :].reshape(tokens, kv_heads, D))
+    untouched = np.setdiff1d(np.arange(slots_total), slots)
+    assert np.isnan(k_got[untouched]).all(), "wrote outside the slot mapping"
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (9, 3)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_paged_attention(kernels, heads, kv_heads, block_size):
+    """Decode tokens and prefill chunks of several sequences in one launch, over
+    lengths that are not multiples of the block size and past one partition."""
+    D = 64
+    # (context before this step, tokens in this step): decode, chunked prefill, full prefill, long decode
+    seqs = [(37, 1), (20, 13), (0, 45), (PARTITION * 2 + 77, 1), (PARTITION - 1, 3)]
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 4
+    slots_total = num_blocks * block_size
+    k_cache = RNG.standard_normal((slots_total, kv_heads, D)).astype(np.float32)
+    v_cache = RNG.standard_normal((slots_total, kv_heads, D)).astype(np.float32)
+    free = list(RNG.permutation(num_blocks))
+    tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in seqs]
+    max_blocks = max(map(len, tables))
+    tokens = sum(n for _, n in seqs)
+    qkv = RNG.standard_normal((tokens, (heads + 2 * kv_heads) * D)).astype(np.float32)
+    token_seq = np.concatenate([[i] * n for i, (_, n) in enumerate(seqs)])
+    positions = np.concatenate([np.arange(c, c + n) for c, n in seqs])
+    partitions = -(-max(c + n for c, n in seqs) // PARTITION)
+    part_acc = gpuarray.to_gpu(np.full((tokens, heads, partitions, D), np.nan, np.float32))
+    part_max = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
+    part_sum = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
+    out = poisoned_bf16((tokens, heads * D))
+    table_arr = np.zeros((len(seqs), max_blocks), np.int32)
+    for i, t in enumerate(tables):
+        table_arr[i, : len(t)] = t
+    kc, vc, qkv_gpu = up_bf16(k_cache), up_bf16(v_cache), up_bf16(qkv)
+    scale = D ** -0.5
+    launch(kernels.paged_attention_partial, (tokens, kv_heads, partitions), (32 * (heads // kv_heads), 1, 1),
+           part_acc, part_max, part_sum, qkv_gpu, kc, vc, i32(table_arr), np.int32(max_blocks), i32(token_seq),
+           i32(positions), np.int32(heads), np.int32(kv_heads), np.int32(block_size), np.int32(PARTITION), np.float32(scale))
+    launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, np.int32(partitions))
+    got = down_bf16(out)
+    q = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
+    start = 0
+    for (c, n), table in zip(seqs, tables):
+        slots = (np.asarray(table)[:, None] * block_size + np.arange(block_size)).ravel()[: c + n]
+        expected = ref.paged_attention(q[start : start + n], bf16(k_cache), bf16(v_cache), slots, c, scale)
+        assert rel_l2(got[start : start + n], expected) < TOL, (c, n)
+        start += n
+
+
+@pytest.mark.parametrize("tokens, inter", [(1, 8192), (33, 1536), (4, 100)])
+def test_silu_and_mul(kernels, tokens, inter):
+    gate_up = RNG.standard_normal((tokens, 2 * inter)).astype(np.float32) * 3
+    out = poisoned_bf16((tokens, inter))
+    launch(kernels.silu_and_mul, ((inter + 255) // 256, tokens), (256, 1, 1), out, up_bf16(gate_up), np.int32(inter))
+    assert rel_l2(down_bf16(out), ref.silu_and_mul(bf16(gate_up))) < TOL
+
+
+@pytest.mark.parametrize("tokens, d_in, d_out, out_f32", [(1, 2048, 3072, False), (300, 2048, 8192, False),
+                                                          (17, 8192, 2048, False), (5, 2048, 128256, True)])
+def test_cublas_linear(cuda_context, tokens, d_in, d_out, out_f32):
+    import pycuda.driver as cuda
+
+    stream, workspace = cuda.Stream(), cuda.mem_alloc(32 * 2**20)
+    blas = Cublas(stream.handle, int(workspace), 32 * 2**20)
+    x = RNG.standard_normal((tokens, d_in)).astype(np.float32)
+    w = RNG.standard_normal((d_out, d_in)).astype(np.float32) / np.sqrt(d_in)
+    y = gpuarray.to_gpu(np.full((tokens, d_out), np.nan, np.float32)) if out_f32 else poisoned_bf16((tokens, d_out))
+    xg, wg = up_bf16(x), up_bf16(w)
+    blas.linear(int(y.gpudata), int(xg.gpudata), int(wg.gpudata), tokens, d_in, d_out, out_f32=out_f32)
+    stream.synchronize()
+    got = y.get() if out_f32 else bf16_bits_to_f32(y.get())
+    assert rel_l2(got, bf16(x) @ bf16(w).T) < TOL
+    blas.close()
+
+
+def sample_gpu(kernels, logits: np.ndarray, params: list[SamplingParams], seeds, steps) -> np.ndarray:
+    S, V = logits.shape
+    out = gpuarray.to_gpu(np.full(S, -1, np.int32))
+    f32 = lambda v: gpuarray.to_gpu(np.asarray(v, np.float32))  # noqa: E731
+    launch(kernels.sample_tokens, (S, 1), (1024, 1, 1), out, gpuarray.to_gpu(logits), np.int32(V),
+           f32([p.temperature for p in params]), f32([p.top_p for p in params]), i32([p.top_k for p in params]),
+           f32([p.min_p for p in params]), gpuarray.to_gpu(np.asarray(seeds, np.uint32)),
+           gpuarray.to_gpu(np.zeros(S, np.uint32)), i32(steps))
+    return out.get()
+
+
+def test_greedy_sampling_is_argmax(kernels):
+    logits = RNG.standard_normal((50, 128256)).astype(np.float32)
+    logits[3, [10, 20]] = 100.0  # a tie: the first index wins, as numpy's argmax
+    tokens = sample_gpu(kernels, logits, [SamplingParams(temperature=0.0)] * 50, range(50), [0] * 50)
+    assert np.array_equal(tokens, logits.argmax(axis=1))
+
+
+@pytest.mark.parametrize("params, support", [
+    (SamplingParams(top_k=2), {0, 1}),
+    (SamplingParams(top_p=0.7), {0, 1}),
+    (SamplingParams(top_p=0.71), {0, 1, 2}),
+    (SamplingParams(min_p=0.5), {0, 1}),
+    (SamplingParams(), {0, 1, 2, 3, 4}),
+])
+def test_sampling_filters_and_frequencies(kernels, params, support):
+    probs = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
+    n = 20000
+    logits = np.tile(np.log(probs).astype(np.float32), (n, 1))
+    tokens = sample_gpu(kernels, logits, [params] * n, RNG.integers(0, 2**32, n), [0] * n)
+    assert set(tokens.tolist()) == support
+    expected = np.where(np.isin(np.arange(5), list(support)), probs, 0)
+    expected /= expected.sum()
+    assert np.allclose(np.bincount(tokens, minlength=5) / n, expected, atol=0.015)
+
+
+def test_seeded_sampling_depends_only_on_seed_and_step(kernels):
+    logits = RNG.standard_normal((8, 1000)).astype(np.float32)
+    p = [SamplingParams(temperature=1.0)] * 8
+    a = sample_gpu(kernels, logits, p, [7] * 8, [3] * 8)
+    assert np.array_equal(a, sample_gpu(kernels, logits, p, [7] * 8, [3] * 8))
+    rows_same = np.tile(logits[:1], (8, 1))
+    b = sample_gpu(kernels, rows_same, p, [7] * 8, [3] * 8)
+    assert len(set(b.tolist())) == 1  # same logits, seed and step: same token in any row
+    c = sample_gpu(kernels, rows_same, p, [7] * 8, list(range(8)))
+    assert len(set(c.tolist())) > 1  # steps differ: draws differ
+
+
+def test_penalties_match_the_cpu_sampler(kernels):
+    V = 1000
+    logits = RNG.standard_normal((2, V)).astype(np.float32) * 3
+    prompt, output = [5, 6, 7, 7], [7, 8, 8, 9]
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
+    seen = sorted(set(prompt + output))
+    counts = [output.count(t) for t in seen]
+    entries = dict(row=[1] * len(seen) + [0], token=seen + [42], count=counts + [0], banned=[0] * len(seen) + [1])
+    g = gpuarray.to_gpu(logits)
+    f32 = lambda v: gpuarray.to_gpu(np.asarray(v, np.float32))  # noqa: E731
+    launch(kernels.apply_penalties, (1, 1), (256, 1, 1), g, np.int32(V), np.int32(len(seen) + 1),
+           i32(entries["row"]), i32(entries["token"]), i32(entries["count"]), i32(entries["banned"]),
+           f32([1.0, 1.3]), f32([0.0, 0.4]), f32([0.0, 0.2]))
+    got = g.get()
+    assert np.allclose(got[1], apply_penalties(logits[1].astype(np.float64), params, prompt, output), atol=1e-5)
+    assert got[0, 42] == -np.inf and np.array_equal(np.delete(got[0], 42), np.delete(logits[0], 42))

