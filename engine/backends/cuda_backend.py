@@ -29,6 +29,11 @@ from engine.weights import Weights, f32_to_bf16_bits
 log = logging.getLogger("llamastream.engine")
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 PARTITION = 512  # context positions per attention thread block
+# Every GEMM runs over tiles of exactly this many rows (activations are padded to a
+# multiple): cuBLAS picks its algorithm by shape, so a fixed shape computes each row
+# the same way whatever else is in the batch. A request's tokens then do not depend
+# on its batch. At 64 rows a bf16 GEMM is still bound by reading the weights.
+GEMM_ROWS = 64
 WORKSPACE_BYTES = 32 * 2**20
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
 
@@ -190,13 +195,14 @@ class CudaBackend:
         H, KVH, D, I = c.hidden_size, c.num_kv_heads, c.head_dim, c.intermediate_size
         group = c.num_heads // KVH
         P = math.ceil(max_ctx / PARTITION)
+        rows = -(-T // GEMM_ROWS) * GEMM_ROWS
         residual = self._empty((T, H), np.float32)
-        h = self._empty((T, H), np.uint16)
-        qkv = self._empty((T, c.q_size + 2 * c.kv_size), np.uint16)
-        attn = self._empty((T, c.q_size), np.uint16)
-        delta = self._empty((T, H), np.uint16)
-        gate_up = self._empty((T, 2 * I), np.uint16)
-        act = self._empty((T, I), np.uint16)
+        h = self._empty((rows, H), np.uint16)
+        qkv = self._empty((rows, c.q_size + 2 * c.kv_size), np.uint16)
+        attn = self._empty((rows, c.q_size), np.uint16)
+        delta = self._empty((rows, H), np.uint16)
+        gate_up = self._empty((rows, 2 * I), np.uint16)
+        act = self._empty((rows, I), np.uint16)
         part_acc = self._empty((T, c.num_heads, P, D), np.float32)
         part_max = self._empty((T, c.num_heads, P), np.float32)
         part_sum = self._empty((T, c.num_heads, P), np.float32)
@@ -208,7 +214,7 @@ class CudaBackend:
         for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
             k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(residual), has_delta, _ptr(layer["attn_norm"]),
                                               _ptr(h), meta["all_rows"], np.int32(H), eps)
-            self.blas.linear(int(qkv.gpudata), int(h.gpudata), int(layer["qkv"].gpudata), T, H, c.q_size + 2 * c.kv_size)
+            self._linear(qkv, h, layer["qkv"], T, H, c.q_size + 2 * c.kv_size)
             k.rope_and_cache.prepared_async_call((T, 1), (rope_threads, 1, 1), st, _ptr(qkv), _ptr(kc), _ptr(vc),
                                                  meta["positions"], meta["slots"], _ptr(self.inv_freq),
                                                  np.int32(c.num_heads), np.int32(KVH), np.int32(D))
@@ -218,20 +224,28 @@ class CudaBackend:
                 np.int32(c.num_heads), np.int32(KVH), np.int32(self.block_size), np.int32(PARTITION), scale)
             k.paged_attention_merge.prepared_async_call((T, c.num_heads), (D, 1, 1), st, _ptr(attn), _ptr(part_acc),
                                                         _ptr(part_max), _ptr(part_sum), np.int32(P))
-            self.blas.linear(int(delta.gpudata), int(attn.gpudata), int(layer["o"].gpudata), T, c.q_size, H)
+            self._linear(delta, attn, layer["o"], T, c.q_size, H)
             k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(residual), _ptr(delta), _ptr(layer["mlp_norm"]),
                                               _ptr(h), meta["all_rows"], np.int32(H), eps)
-            self.blas.linear(int(gate_up.gpudata), int(h.gpudata), int(layer["gate_up"].gpudata), T, H, 2 * I)
+            self._linear(gate_up, h, layer["gate_up"], T, H, 2 * I)
             k.silu_and_mul.prepared_async_call(((I + 255) // 256, T), (256, 1, 1), st, _ptr(act), _ptr(gate_up), np.int32(I))
-            self.blas.linear(int(delta.gpudata), int(act.gpudata), int(layer["down"].gpudata), T, I, H)
+            self._linear(delta, act, layer["down"], T, I, H)
             has_delta = _ptr(delta)
-        final = self._empty((max(S, 1), H), np.uint16)
-        logits = self._empty((max(S, 1), c.vocab_size), np.float32)
+        sample_rows = -(-max(S, 1) // GEMM_ROWS) * GEMM_ROWS
+        final = self._empty((sample_rows, H), np.uint16)
+        logits = self._empty((sample_rows, c.vocab_size), np.float32)
         if S:
             k.add_rmsnorm.prepared_async_call((S, 1), (256, 1, 1), st, _ptr(residual), has_delta, _ptr(self.final_norm),
                                               _ptr(final), meta["sample_rows"], np.int32(H), eps)
-            self.blas.linear(int(logits.gpudata), int(final.gpudata), int(self.lm_head.gpudata), S, H, c.vocab_size, out_f32=True)
+            self._linear(logits, final, self.lm_head, S, H, c.vocab_size)
         return logits[:S]
+
+    def _linear(self, y: gpuarray.GPUArray, x: gpuarray.GPUArray, w: gpuarray.GPUArray, tokens: int, d_in: int, d_out: int) -> None:
+        """y = x @ w^T over GEMM_ROWS-row tiles covering `tokens` (see GEMM_ROWS)."""
+        out_f32 = y.dtype == np.float32
+        y_row, x_row = d_out * y.dtype.itemsize, d_in * 2
+        for r in range(0, tokens, GEMM_ROWS):
+            self.blas.linear(int(y.gpudata) + r * y_row, int(x.gpudata) + r * x_row, int(w.gpudata), GEMM_ROWS, d_in, d_out, out_f32)
 
     def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
         """Logits of the sampling sequences, on the host (for tests and logprobs)."""

@@ -2,10 +2,17 @@
 
 - At the exact Llama 3.2 1B shape (random weights from a fixed seed, bfloat16
   safetensors, the real Llama 3 tokenizer): last-position logits against
-  transformers' LlamaForCausalLM in bfloat16, teacher-forced greedy agreement over
-  256 steps, and 64 mixed-length requests in one continuous batch against each alone.
+  transformers' LlamaForCausalLM in bfloat16 and in float32, teacher-forced greedy
+  agreement over 256 steps, and 64 mixed-length requests in one continuous batch
+  against each alone.
 - At SmolLM2's exact shape: the same greedy tokens as the numpy backend.
-Figures are printed (run with -s) and recorded in bench/RESULTS.md.
+
+The bfloat16 reference uses eager attention: transformers' default (sdpa) drifts
+from its own float32 model as prompts grow (rel. L2 0.19 at 2,000 tokens, measured
+by bench/gpu_accuracy.py), while eager stays at about 2e-2, as ours does. Random
+weights give near-uniform logits, so bfloat16 rounding alone flips some greedy
+choices: the agreement bar is what transformers' own bfloat16 reaches against its
+float32 model. Figures are printed (run with -s) and recorded in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -65,18 +72,21 @@ def make_model(tmp: Path, shape: dict, seed: int):
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama-3.2-1b-shape")
-    hf = make_model(path, LLAMA_32_1B, seed=0).cuda()
+    make_model(path, LLAMA_32_1B, seed=0)
+    load = transformers.LlamaForCausalLM.from_pretrained
+    bf16 = load(path, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
+    fp32 = load(path, dtype=torch.float32).cuda().eval()
     ours = load_model(path)
     from engine.backends.cuda_backend import CudaBackend
 
     engine = LLMEngine(ours, CudaBackend(ours.config, ours.weights),
                        EngineConfig(num_kv_blocks=2048, max_num_seqs=64, max_num_batched_tokens=4096))
-    return hf, engine
+    return {"bf16": bf16, "fp32": fp32}, engine
 
 
 def prompt_of(engine, n: int) -> list[int]:
-    ids = engine.tokenizer.encode(TEXT * 60)
-    assert ids[0] == 128000 and len(ids) >= n
+    ids = [128000] + engine.tokenizer.encode(TEXT * 60, add_special_tokens=False)  # <|begin_of_text|> first
+    assert len(ids) >= n
     return ids[:n]
 
 
@@ -98,18 +108,24 @@ def hf_logits(hf, ids: list[int]) -> np.ndarray:
 def test_last_logits_match_transformers(llama, n):
     hf, engine = llama
     ids = prompt_of(engine, n)
-    err = rel_l2(our_logits(engine, ids), hf_logits(hf, ids)[-1])
-    print(f"\nLlama-3.2-1B shape, {n}-token prompt: last-position logits rel L2 {err:.2e}")
-    assert err < 2e-2
+    ours = our_logits(engine, ids)
+    ref16, ref32 = hf_logits(hf["bf16"], ids)[-1], hf_logits(hf["fp32"], ids)[-1]
+    err16, err32, hf_err32 = rel_l2(ours, ref16), rel_l2(ours, ref32), rel_l2(ref16, ref32)
+    print(f"\nLlama-3.2-1B shape, {n}-token prompt: last-position logits rel L2 {err16:.2e} against transformers "
+          f"bf16; {err32:.2e} against float32, where transformers' bf16 is {hf_err32:.2e}")
+    assert err16 < 2e-2
+    assert err32 < 1.1 * hf_err32 + 1e-3  # as close to the exact model as transformers' own bfloat16
 
 
 def test_teacher_forced_greedy_agreement(llama):
     hf, engine = llama
     prompt = prompt_of(engine, 17)
     with torch.no_grad():
-        generated = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=256, min_new_tokens=256,
-                                do_sample=False)[0].tolist()
-    reference = hf_logits(hf, generated).argmax(axis=1)[len(prompt) - 1 : -1]  # teacher-forced predictions
+        generated = hf["bf16"].generate(torch.tensor([prompt], device="cuda"), max_new_tokens=256,
+                                        min_new_tokens=256, do_sample=False)[0].tolist()
+    # teacher-forced predictions along transformers' bfloat16 continuation
+    reference = hf_logits(hf["bf16"], generated).argmax(axis=1)[len(prompt) - 1 : -1]
+    exact = hf_logits(hf["fp32"], generated).argmax(axis=1)[len(prompt) - 1 : -1]
     seq = engine.make_sequence("tf", prompt, SamplingParams(temperature=0.0, max_tokens=300))
     engine.block_manager.allocate(seq, len(generated))
     ours = [int(engine.backend.forward([ScheduledSeq(seq, 0, len(prompt))])[0].argmax())]
@@ -117,9 +133,13 @@ def test_teacher_forced_greedy_agreement(llama):
         seq.output_ids.append(token)
         ours.append(int(engine.backend.forward([ScheduledSeq(seq, seq.num_tokens - 1, 1)])[0].argmax()))
     engine.block_manager.free(seq)
-    agreement = float(np.mean(np.array(ours) == reference))
-    print(f"\nteacher-forced greedy agreement over {len(ours)} steps: {agreement:.2%}")
-    assert len(ours) == 256 and agreement >= 0.99
+    ours = np.array(ours)
+    with_bf16, with_fp32, hf_with_fp32 = (float(np.mean(a == b)) for a, b in ((ours, reference), (ours, exact), (reference, exact)))
+    print(f"\nteacher-forced greedy agreement over {len(ours)} steps: {with_bf16:.1%} with transformers bf16, "
+          f"{with_fp32:.1%} with float32, where transformers' bf16 agrees with float32 {hf_with_fp32:.1%}")
+    assert len(ours) == 256
+    assert with_fp32 >= hf_with_fp32 - 0.01  # as faithful to the exact model as transformers' own bfloat16
+    assert with_bf16 >= 0.9
 
 
 def test_continuous_batch_equals_alone(llama):
