@@ -1,4 +1,5 @@
-"""GPU tests: collected everywhere, run only where the CUDA backend can (`make gpu-test`)."""
+"""GPU tests: collected everywhere, run only where the CUDA backend can (`make gpu-test`);
+elsewhere each module skips itself with the reason (require_gpu)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
 REASON = cuda_unavailable_reason()
 
 
+def require_gpu() -> None:
+    """Skip the calling test module, with the reason, where the CUDA backend cannot run."""
+    if REASON:
+        pytest.skip(f"needs an NVIDIA GPU and pycuda (make gpu-test): {REASON}", allow_module_level=True)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.gpu)
-            if REASON:
-                item.add_marker(pytest.mark.skip(reason=f"needs an NVIDIA GPU: {REASON}"))
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("pycuda.driver", reason="needs pycuda (pip install '.[cuda]') and an NVIDIA GPU")
+from tests.gpu.conftest import require_gpu  # noqa: E402
+
+require_gpu()
 
 import pycuda.gpuarray as gpuarray  # noqa: E402
 

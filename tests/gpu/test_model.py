@@ -31,8 +31,9 @@ from engine.model_loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from tests.conftest import run, tokens
-from tests.gpu.conftest import rel_l2
+from tests.gpu.conftest import rel_l2, require_gpu
 
+require_gpu()
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

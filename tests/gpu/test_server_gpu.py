@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from llamastream.v1 import generation_pb2 as pb
+from tests.gpu.conftest import require_gpu
 from tests.gpu.test_model import SMOLLM2, make_model
 from tests.serving import ServerProcess, check_stream_shape, collect, stub
+
+require_gpu()
 
 
 def test_server_streams_on_cuda(tmp_path):
