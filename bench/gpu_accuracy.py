@@ -24,23 +24,12 @@ from engine.backends.cuda_backend import CudaBackend  # noqa: E402
 from engine.backends.numpy_backend import NumpyBackend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import ScheduledSeq  # noqa: E402
-from tests.gpu.test_model import LLAMA_32_1B, TEXT, make_model  # noqa: E402
+from tests.gpu.test_model import LLAMA_32_1B, TEXT, make_model, our_logits, teacher_forced_argmax  # noqa: E402
 
 
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def last_logits(engine, ids):
-    seq = engine.make_sequence("x", ids, SamplingParams(temperature=0.0, max_tokens=1))
-    engine.block_manager.allocate(seq, len(ids))
-    try:
-        return engine.backend.forward([ScheduledSeq(seq, 0, len(ids))])[0]
-    finally:
-        engine.block_manager.free(seq)
 
 
 def main() -> None:
@@ -65,8 +54,8 @@ def main() -> None:
                     return m(torch.tensor([ids], device="cuda")).logits[0, -1].float().cpu().numpy()
 
             ref, b16, b16e = hf(hf32), hf(hf16), hf(eager)
-            ours = last_logits(cuda, ids)
-            np_err = f"{rel(last_logits(numpy, ids), ref):13.2e}" if n <= 300 else f"{'(skipped)':>13}"
+            ours = our_logits(cuda, ids)
+            np_err = f"{rel(our_logits(numpy, ids), ref):13.2e}" if n <= 300 else f"{'(skipped)':>13}"
             print(f"{n:>6} | {rel(ours, ref):12.2e} | {rel(b16, ref):20.2e} | {rel(b16e, ref):21.2e} | {np_err} | {rel(ours, b16):15.2e}")
         teacher_forced(cuda, {"fp32": hf32, "bf16 sdpa": hf16, "bf16 eager": eager}, ids_all[:17])
 
@@ -78,14 +67,7 @@ def teacher_forced(engine, models: dict, prompt: list[int], steps: int = 256) ->
                                           min_new_tokens=steps, do_sample=False)[0].tolist()
         preds = {name: m(torch.tensor([seq_ids], device="cuda")).logits[0].float().argmax(-1).cpu().numpy()[len(prompt) - 1 : -1]
                  for name, m in models.items()}
-    seq = engine.make_sequence("tf", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 1))
-    engine.block_manager.allocate(seq, len(seq_ids))
-    ours = [int(engine.backend.forward([ScheduledSeq(seq, 0, len(prompt))])[0].argmax())]
-    for token in seq_ids[len(prompt) : -1]:
-        seq.output_ids.append(token)
-        ours.append(int(engine.backend.forward([ScheduledSeq(seq, seq.num_tokens - 1, 1)])[0].argmax()))
-    engine.block_manager.free(seq)
-    preds["cuda (ours)"] = np.array(ours)
+    preds["cuda (ours)"] = teacher_forced_argmax(engine, prompt, seq_ids)
     print(f"\nteacher-forced greedy agreement over {steps} steps (17-token prompt, fp32's own continuation):")
     names = list(preds)
     for a in names:

@@ -22,23 +22,22 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the block; every thread gets the result. `scratch` holds 32 floats.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// Reduce over the block with `op` (identity `init`); every thread gets the result.
+// `scratch` holds 32 floats.
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float v, float* scratch, float init, Op op) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    v = warp_sum(v);
-    __syncthreads();
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffff, v, o));
+    __syncthreads();  // scratch may still be read by a previous reduction
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    v = lane < warps ? scratch[lane] : 0.f;
-    return warp_sum(v);
+    v = lane < warps ? scratch[lane] : init;
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
 }
 
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < warps ? scratch[lane] : -INFINITY;
-    return warp_max(v);
-}
+struct Add { __device__ float operator()(float a, float b) const { return a + b; } };
+struct Max { __device__ float operator()(float a, float b) const { return fmaxf(a, b); } };
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce(v, scratch, 0.f, Add()); }
+__device__ __forceinline__ float block_max(float v, float* scratch) { return block_reduce(v, scratch, -INFINITY, Max()); }

@@ -102,6 +102,21 @@ def our_logits(engine, ids: list[int]) -> np.ndarray:
         engine.block_manager.free(seq)
 
 
+def teacher_forced_argmax(engine, prompt: list[int], continuation: list[int]) -> np.ndarray:
+    """Our greedy choice at each step while decoding along a given continuation
+    (prompt + generated tokens): predictions for positions len(prompt) - 1 .. end - 1."""
+    seq = engine.make_sequence("teacher-forced", prompt, SamplingParams(temperature=0.0, max_tokens=len(continuation)))
+    engine.block_manager.allocate(seq, len(continuation))
+    try:
+        choices = [int(engine.backend.forward([ScheduledSeq(seq, 0, len(prompt))])[0].argmax())]
+        for token in continuation[len(prompt) : -1]:
+            seq.output_ids.append(token)
+            choices.append(int(engine.backend.forward([ScheduledSeq(seq, seq.num_tokens - 1, 1)])[0].argmax()))
+    finally:
+        engine.block_manager.free(seq)
+    return np.array(choices)
+
+
 def hf_logits(hf, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
@@ -130,13 +145,7 @@ def test_teacher_forced_greedy_agreement(llama):
     # teacher-forced predictions along transformers' bfloat16 continuation
     reference = hf_logits(hf["bf16"], generated).argmax(axis=1)[len(prompt) - 1 : -1]
     exact = hf_logits(hf["fp32"], generated).argmax(axis=1)[len(prompt) - 1 : -1]
-    seq = engine.make_sequence("tf", prompt, SamplingParams(temperature=0.0, max_tokens=300))
-    engine.block_manager.allocate(seq, len(generated))
-    ours = [int(engine.backend.forward([ScheduledSeq(seq, 0, len(prompt))])[0].argmax())]
-    for token in generated[len(prompt) : -1]:
-        seq.output_ids.append(token)
-        ours.append(int(engine.backend.forward([ScheduledSeq(seq, seq.num_tokens - 1, 1)])[0].argmax()))
-    engine.block_manager.free(seq)
+    ours = teacher_forced_argmax(engine, prompt, generated)
     ours = np.array(ours)
     with_bf16, with_fp32, hf_with_fp32 = (float(np.mean(a == b)) for a, b in ((ours, reference), (ours, exact), (reference, exact)))
     print(f"\nteacher-forced greedy agreement over {len(ours)} steps: {with_bf16:.1%} with transformers bf16, "
