@@ -36,6 +36,7 @@ class ServerConfig:
     num_kv_blocks: int | None = None  # default: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0  # numpy backend
     gpu_memory_utilization: float = 0.9  # cuda backend
+    enforce_eager: bool = False  # cuda backend: no CUDA graphs
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -59,7 +60,7 @@ class Server:
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
         model = load_model(cfg.model, LoadingProgress())
-        backend = create_backend(cfg.device, model.config, model.weights)
+        backend = create_backend(cfg.device, model.config, model.weights, cuda_graphs=not cfg.enforce_eager)
         if cfg.num_kv_blocks:
             num_blocks = cfg.num_kv_blocks
         elif backend.name == "cuda":

@@ -26,6 +26,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb, help="memory for the KV cache on the CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="fraction of the GPU's memory the server may use; the KV cache takes what the weights leave")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="launch every kernel from Python: no CUDA graphs for decode steps")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's, within the KV cache)")
     p.add_argument("--grace", type=float, default=d.grace, help="seconds in-flight streams get to finish on SIGTERM")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

@@ -35,7 +35,7 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
-def create_backend(device: str, config: ModelConfig, weights: Weights):
+def create_backend(device: str, config: ModelConfig, weights: Weights, cuda_graphs: bool = True):
     """The backend for --device auto|cpu|cuda; auto takes cuda when it can run."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda, not {device!r}")
@@ -45,7 +45,7 @@ def create_backend(device: str, config: ModelConfig, weights: Weights):
             from engine.backends.cuda_backend import CudaBackend
 
             log.info("device %s: using the CUDA backend", device)
-            return CudaBackend(config, weights)
+            return CudaBackend(config, weights, cuda_graphs=cuda_graphs)
         if device == "cuda":
             raise RuntimeError(f"--device cuda, but {reason}; use --device cpu or auto")
         log.info("device auto: using the numpy backend on the CPU (%s)", reason)

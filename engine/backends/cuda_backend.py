@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from pycuda.compiler import SourceModule
 from pycuda.tools import DeviceMemoryPool
 
 from engine.backends.cublas import Cublas, CublasError
+from engine.backends.cuda_graph import CudaGraph
 from engine.config import ModelConfig
 from engine.sampler import SampleOutput, TokenLogprob, log_softmax
 from engine.scheduler import ScheduledSeq
@@ -69,10 +71,91 @@ class Kernels:
             setattr(self, name, fn)
 
 
+@dataclass(frozen=True)
+class StepShape:
+    tokens: int  # rows the kernels run over
+    samples: int  # rows that reach the head (the last token of each finishing sequence)
+    seqs: int  # block-table rows
+    max_blocks: int  # block-table width
+    partitions: int  # attention partitions of PARTITION positions
+
+
+class StepBuffers:
+    """Device memory for one step of a given shape: int32 metadata, then activations."""
+
+    META = ("ids", "positions", "slots", "token_seq", "all_rows", "sample_rows", "tables")
+
+    def __init__(self, c: ModelConfig, shape: StepShape, empty):
+        T, S, P = shape.tokens, shape.samples, shape.partitions
+        sizes = [T, T, T, T, T, S, shape.seqs * shape.max_blocks]
+        self.meta = empty((sum(sizes),), np.int32)
+        offsets = np.cumsum([0] + sizes)
+        self.meta_ptr = {name: np.uintp(int(self.meta.gpudata) + 4 * int(o)) for name, o in zip(self.META, offsets)}
+        rows, sample_rows = _tile_rows(T), _tile_rows(S)
+        self.residual = empty((T, c.hidden_size), np.float32)
+        self.h = empty((rows, c.hidden_size), np.uint16)
+        self.qkv = empty((rows, c.q_size + 2 * c.kv_size), np.uint16)
+        self.attn = empty((rows, c.q_size), np.uint16)
+        self.delta = empty((rows, c.hidden_size), np.uint16)
+        self.gate_up = empty((rows, 2 * c.intermediate_size), np.uint16)
+        self.act = empty((rows, c.intermediate_size), np.uint16)
+        self.part_acc = empty((T, c.num_heads, P, c.head_dim), np.float32)
+        self.part_max = empty((T, c.num_heads, P), np.float32)
+        self.part_sum = empty((T, c.num_heads, P), np.float32)
+        self.final = empty((sample_rows, c.hidden_size), np.uint16)
+        self.logits = empty((sample_rows, c.vocab_size), np.float32)
+
+
+def _tile_rows(n: int) -> int:
+    return max(1, -(-n // GEMM_ROWS)) * GEMM_ROWS
+
+
+class DecodeGraphs:
+    """One captured decode step per batch-size bucket, for batches of single-token
+    decodes whose contexts fit `max_context`; padding rows use the dummy KV block.
+    Replays compute exactly what eager steps do (the same kernels and GEMM tiles)."""
+
+    def __init__(self, backend: "CudaBackend", max_batch: int, max_context: int):
+        self.backend = backend
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_batch] + [max_batch]
+        self.max_blocks = -(-max_context // backend.block_size)
+        self.max_context = self.max_blocks * backend.block_size
+        self.graphs: dict[int, tuple[StepShape, StepBuffers, CudaGraph]] = {}
+        self.replays = 0
+
+    def for_batch(self, batch: list[ScheduledSeq]):
+        if any(s.num_tokens != 1 or not s.samples for s in batch) or len(batch) > self.buckets[-1]:
+            return None
+        if max(s.start + 1 for s in batch) > self.max_context:
+            return None
+        size = next(b for b in self.buckets if b >= len(batch))
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        self.replays += 1
+        return self.graphs[size]
+
+    def _capture(self, size: int):
+        be = self.backend
+        shape = StepShape(tokens=size, samples=size, seqs=size, max_blocks=self.max_blocks,
+                          partitions=math.ceil(self.max_context / PARTITION))
+        buffers = StepBuffers(be.config, shape, lambda sh, dt: gpuarray.empty(sh, dt))
+        buffers.meta.set(be._metadata([], shape))  # all padding: valid to run
+        be._launch(buffers, shape)  # once eagerly, so cuBLAS settles its choices outside the capture
+        be.stream.synchronize()
+        graph = CudaGraph(be.stream.handle, lambda: be._launch(buffers, shape))
+        log.info("captured a CUDA graph for decode batches of up to %d", size)
+        return shape, buffers, graph
+
+    def close(self) -> None:
+        for _, _, graph in self.graphs.values():
+            graph.close()
+
+
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, config: ModelConfig, weights: Weights, device: int = 0):
+    def __init__(self, config: ModelConfig, weights: Weights, device: int = 0, cuda_graphs: bool = True,
+                 graph_max_batch: int = 256, graph_max_context: int = 4096):
         if config.head_dim % 32 or config.num_heads // config.num_kv_heads > 8:
             raise ValueError("the CUDA attention kernel needs head_dim a multiple of 32 and at most 8 heads per KV head")
         self.config = config
@@ -90,8 +173,11 @@ class CudaBackend:
             self.inv_freq = gpuarray.to_gpu(config.rope_inv_freq())
         log.info("CUDA backend on %s: %.2f GB of bfloat16 weights", self.device.name(), self.weight_bytes / 1e9)
         self.block_size = 0
+        self.dummy_block = 0  # a KV block no sequence owns: padding rows of graphs use it
         self.k_cache: list[gpuarray.GPUArray] = []
         self.v_cache: list[gpuarray.GPUArray] = []
+        self._graph_settings = (cuda_graphs, graph_max_batch, graph_max_context)
+        self.graphs: DecodeGraphs | None = None
 
     @contextlib.contextmanager
     def _context(self):
@@ -140,11 +226,13 @@ class CudaBackend:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
-        shape = (num_blocks * block_size, c.num_kv_heads, c.head_dim)
+        shape = ((num_blocks + 1) * block_size, c.num_kv_heads, c.head_dim)  # + the dummy block
         with self._context():
             self.k_cache = [gpuarray.empty(shape, np.uint16) for _ in range(c.num_layers)]
             self.v_cache = [gpuarray.empty(shape, np.uint16) for _ in range(c.num_layers)]
-        self.block_size = block_size
+        self.block_size, self.dummy_block = block_size, num_blocks
+        enabled, max_batch, max_context = self._graph_settings
+        self.graphs = DecodeGraphs(self, max_batch, max_context) if enabled else None
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, block_size,
                  num_blocks * block_size, num_blocks * self.kv_cache_bytes_per_block(block_size) / 1e9)
 
@@ -156,89 +244,83 @@ class CudaBackend:
     def _empty(self, shape, dtype) -> gpuarray.GPUArray:
         return gpuarray.empty(shape, dtype, allocator=self.pool.allocate)
 
-    def _upload_metadata(self, batch: list[ScheduledSeq]):
-        """Token ids, positions, cache slots, rows and block tables, in one int32 copy."""
-        bs = self.block_size
-        ids, positions, slots, token_seq = [], [], [], []
-        for i, s in enumerate(batch):
-            pos = np.arange(s.start, s.start + s.num_tokens)
-            table = np.asarray(s.seq.block_table, dtype=np.int64)
-            ids.append(np.asarray(s.seq.all_ids[s.start : s.start + s.num_tokens]))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            token_seq.append(np.full(s.num_tokens, i))
+    def _step_shape(self, batch: list[ScheduledSeq]) -> StepShape:
         tokens = sum(s.num_tokens for s in batch)
-        ends = np.cumsum([s.num_tokens for s in batch]) - 1
-        sample_rows = ends[[s.samples for s in batch]]
-        max_blocks = max(len(s.seq.block_table) for s in batch)
-        tables = np.zeros((len(batch), max_blocks), dtype=np.int64)
-        for i, s in enumerate(batch):
-            tables[i, : len(s.seq.block_table)] = s.seq.block_table
-        parts = [np.concatenate(x) for x in (ids, positions, slots, token_seq)]
-        parts += [np.arange(tokens), sample_rows, tables.ravel()]
-        host = np.concatenate(parts).astype(np.int32)
-        dev = self._empty(host.shape, np.int32)
-        dev.set_async(host, stream=self.stream)
-        offsets = np.cumsum([0] + [len(p) for p in parts])
-        base = int(dev.gpudata)
-        views = [np.uintp(base + 4 * int(o)) for o in offsets[:-1]]
-        meta = dict(zip(("ids", "positions", "slots", "token_seq", "all_rows", "sample_rows", "tables"), views))
         max_ctx = max(s.start + s.num_tokens for s in batch)
-        # (dev goes back to the pool when the caller drops it; later work on this one
-        # stream is ordered after the kernels that read it)
-        return meta, dev, tokens, len(sample_rows), max_blocks, max_ctx
+        return StepShape(tokens=tokens, samples=sum(s.samples for s in batch), seqs=len(batch),
+                         max_blocks=max(len(s.seq.block_table) for s in batch), partitions=math.ceil(max_ctx / PARTITION))
+
+    def _metadata(self, batch: list[ScheduledSeq], shape: StepShape) -> np.ndarray:
+        """Token ids, positions, cache slots, rows and block tables as one int32 array in
+        StepBuffers' layout. Rows past the batch (a graph's padding) read and write only
+        the reserved dummy block, and sample themselves."""
+        bs, T, dummy = self.block_size, shape.tokens, self.dummy_block
+        ids, positions = np.zeros(T, np.int64), np.zeros(T, np.int64)
+        slots, token_seq = np.full(T, dummy * bs, np.int64), np.arange(T) % shape.seqs
+        tables = np.full((shape.seqs, shape.max_blocks), dummy, np.int64)
+        sample_rows: list[int] = []
+        t = 0
+        for i, s in enumerate(batch):
+            n, table = s.num_tokens, np.asarray(s.seq.block_table, dtype=np.int64)
+            pos = np.arange(s.start, s.start + n)
+            ids[t : t + n] = s.seq.all_ids[s.start : s.start + n]
+            positions[t : t + n], slots[t : t + n], token_seq[t : t + n] = pos, table[pos // bs] * bs + pos % bs, i
+            tables[i, : len(table)] = table
+            t += n
+            if s.samples:
+                sample_rows.append(t - 1)
+        sample_rows += range(t, t + shape.samples - len(sample_rows))
+        return np.concatenate([ids, positions, slots, token_seq, np.arange(T), sample_rows, tables.ravel()]).astype(np.int32)
+
+    def _launch(self, b: StepBuffers, shape: StepShape) -> None:
+        """Queue the whole forward pass for `shape` on the stream (no allocation, no sync)."""
+        c, k, st, m = self.config, self.kernels, self.stream, b.meta_ptr
+        T, S, P = shape.tokens, shape.samples, shape.partitions
+        H, KVH, D, I = c.hidden_size, c.num_kv_heads, c.head_dim, c.intermediate_size
+        eps, scale = np.float32(c.rms_norm_eps), np.float32(D ** -0.5)
+        rope_threads = min(1024, (c.num_heads + KVH) * D // 2)
+        k.embedding_gather.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(self.embed), m["ids"], np.int32(H))
+        has_delta = np.uintp(0)
+        for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
+            k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), has_delta, _ptr(layer["attn_norm"]),
+                                              _ptr(b.h), m["all_rows"], np.int32(H), eps)
+            self._linear(b.qkv, b.h, layer["qkv"], T, H, c.q_size + 2 * c.kv_size)
+            k.rope_and_cache.prepared_async_call((T, 1), (rope_threads, 1, 1), st, _ptr(b.qkv), _ptr(kc), _ptr(vc),
+                                                 m["positions"], m["slots"], _ptr(self.inv_freq),
+                                                 np.int32(c.num_heads), np.int32(KVH), np.int32(D))
+            k.paged_attention_partial.prepared_async_call(
+                (T, KVH, P), (32 * (c.num_heads // KVH), 1, 1), st, _ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum),
+                _ptr(b.qkv), _ptr(kc), _ptr(vc), m["tables"], np.int32(shape.max_blocks), m["token_seq"], m["positions"],
+                np.int32(c.num_heads), np.int32(KVH), np.int32(self.block_size), np.int32(PARTITION), scale)
+            k.paged_attention_merge.prepared_async_call((T, c.num_heads), (D, 1, 1), st, _ptr(b.attn), _ptr(b.part_acc),
+                                                        _ptr(b.part_max), _ptr(b.part_sum), np.int32(P))
+            self._linear(b.delta, b.attn, layer["o"], T, c.q_size, H)
+            k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(b.delta), _ptr(layer["mlp_norm"]),
+                                              _ptr(b.h), m["all_rows"], np.int32(H), eps)
+            self._linear(b.gate_up, b.h, layer["gate_up"], T, H, 2 * I)
+            k.silu_and_mul.prepared_async_call(((I + 255) // 256, T), (256, 1, 1), st, _ptr(b.act), _ptr(b.gate_up), np.int32(I))
+            self._linear(b.delta, b.act, layer["down"], T, I, H)
+            has_delta = _ptr(b.delta)
+        if S:
+            k.add_rmsnorm.prepared_async_call((S, 1), (256, 1, 1), st, _ptr(b.residual), has_delta, _ptr(self.final_norm),
+                                              _ptr(b.final), m["sample_rows"], np.int32(H), eps)
+            self._linear(b.logits, b.final, self.lm_head, S, H, c.vocab_size)
 
     def _forward(self, batch: list[ScheduledSeq]) -> gpuarray.GPUArray:
         """Run the step's tokens; return float32 logits [sampling sequences, vocab] on the GPU."""
-        c, k, st = self.config, self.kernels, self.stream
-        meta, _metadata, T, S, max_blocks, max_ctx = self._upload_metadata(batch)
-        H, KVH, D, I = c.hidden_size, c.num_kv_heads, c.head_dim, c.intermediate_size
-        group = c.num_heads // KVH
-        P = math.ceil(max_ctx / PARTITION)
-        rows = -(-T // GEMM_ROWS) * GEMM_ROWS
-        residual = self._empty((T, H), np.float32)
-        h = self._empty((rows, H), np.uint16)
-        qkv = self._empty((rows, c.q_size + 2 * c.kv_size), np.uint16)
-        attn = self._empty((rows, c.q_size), np.uint16)
-        delta = self._empty((rows, H), np.uint16)
-        gate_up = self._empty((rows, 2 * I), np.uint16)
-        act = self._empty((rows, I), np.uint16)
-        part_acc = self._empty((T, c.num_heads, P, D), np.float32)
-        part_max = self._empty((T, c.num_heads, P), np.float32)
-        part_sum = self._empty((T, c.num_heads, P), np.float32)
-        eps, scale = np.float32(c.rms_norm_eps), np.float32(D ** -0.5)
-        rope_threads = min(1024, (c.num_heads + KVH) * D // 2)
-
-        k.embedding_gather.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(residual), _ptr(self.embed), meta["ids"], np.int32(H))
-        has_delta = np.uintp(0)
-        for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
-            k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(residual), has_delta, _ptr(layer["attn_norm"]),
-                                              _ptr(h), meta["all_rows"], np.int32(H), eps)
-            self._linear(qkv, h, layer["qkv"], T, H, c.q_size + 2 * c.kv_size)
-            k.rope_and_cache.prepared_async_call((T, 1), (rope_threads, 1, 1), st, _ptr(qkv), _ptr(kc), _ptr(vc),
-                                                 meta["positions"], meta["slots"], _ptr(self.inv_freq),
-                                                 np.int32(c.num_heads), np.int32(KVH), np.int32(D))
-            k.paged_attention_partial.prepared_async_call(
-                (T, KVH, P), (32 * group, 1, 1), st, _ptr(part_acc), _ptr(part_max), _ptr(part_sum), _ptr(qkv),
-                _ptr(kc), _ptr(vc), meta["tables"], np.int32(max_blocks), meta["token_seq"], meta["positions"],
-                np.int32(c.num_heads), np.int32(KVH), np.int32(self.block_size), np.int32(PARTITION), scale)
-            k.paged_attention_merge.prepared_async_call((T, c.num_heads), (D, 1, 1), st, _ptr(attn), _ptr(part_acc),
-                                                        _ptr(part_max), _ptr(part_sum), np.int32(P))
-            self._linear(delta, attn, layer["o"], T, c.q_size, H)
-            k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(residual), _ptr(delta), _ptr(layer["mlp_norm"]),
-                                              _ptr(h), meta["all_rows"], np.int32(H), eps)
-            self._linear(gate_up, h, layer["gate_up"], T, H, 2 * I)
-            k.silu_and_mul.prepared_async_call(((I + 255) // 256, T), (256, 1, 1), st, _ptr(act), _ptr(gate_up), np.int32(I))
-            self._linear(delta, act, layer["down"], T, I, H)
-            has_delta = _ptr(delta)
-        sample_rows = -(-max(S, 1) // GEMM_ROWS) * GEMM_ROWS
-        final = self._empty((sample_rows, H), np.uint16)
-        logits = self._empty((sample_rows, c.vocab_size), np.float32)
-        if S:
-            k.add_rmsnorm.prepared_async_call((S, 1), (256, 1, 1), st, _ptr(residual), has_delta, _ptr(self.final_norm),
-                                              _ptr(final), meta["sample_rows"], np.int32(H), eps)
-            self._linear(logits, final, self.lm_head, S, H, c.vocab_size)
-        return logits[:S]
+        graph = self.graphs.for_batch(batch) if self.graphs else None
+        if graph is not None:
+            shape, buffers, replay = graph
+            buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
+            replay.launch()
+            return buffers.logits[: len(batch)]
+        shape = self._step_shape(batch)
+        buffers = StepBuffers(self.config, shape, self._empty)
+        buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
+        self._launch(buffers, shape)
+        # (buffers go back to the pool when dropped: later work on this one stream is
+        # ordered after the kernels that use them)
+        return buffers.logits[: shape.samples]
 
     def _linear(self, y: gpuarray.GPUArray, x: gpuarray.GPUArray, w: gpuarray.GPUArray, tokens: int, d_in: int, d_out: int) -> None:
         """y = x @ w^T over GEMM_ROWS-row tiles covering `tokens` (see GEMM_ROWS)."""

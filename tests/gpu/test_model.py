@@ -170,6 +170,25 @@ def test_continuous_batch_equals_alone(llama):
     assert same == 64
 
 
+def test_cuda_graph_replays_equal_eager_steps(llama):
+    from engine.backends.cuda_backend import CudaBackend
+
+    _, engine = llama
+    model = engine.model
+    eager = LLMEngine(model, CudaBackend(model.config, model.weights, cuda_graphs=False), EngineConfig(num_kv_blocks=512))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 128000, n).tolist() for n in (1, 7, 64, 200, 333)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=11, max_tokens=12, ignore_eos=True)]
+    results = []
+    for e in (engine, eager):
+        seqs = [e.make_sequence(f"r{i}{j}", p, params[j]) for i, p in enumerate(prompts) for j in range(2)]
+        outs = run(e, seqs, check_blocks=False)
+        results.append({rid: tokens(o) for rid, o in outs.items()})
+    assert engine.backend.graphs.replays > 0 and eager.backend.graphs is None
+    assert results[0] == results[1]
+
+
 @pytest.fixture(scope="module")
 def smollm2_shape(tmp_path_factory):
     path = tmp_path_factory.mktemp("smollm2-shape")

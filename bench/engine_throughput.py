@@ -1,0 +1,75 @@
+"""Offline throughput of the CUDA engine (the nano-vllm benchmark): 256 requests with
+prompt and output lengths uniform in 100..1024 random tokens, eos ignored, all
+submitted at once; Llama 3.2 1B shape, bfloat16, random weights.
+
+    python bench/engine_throughput.py [--requests 256]   # on a machine with an NVIDIA GPU
+
+The floor: a decode step at batch B reads the weights once (2.47 GB) and each
+sequence's K/V (32 KB a token at this shape) and does 2 x 1.24 G FLOPs per sequence;
+at the workload's mean context and the H200's measured 4.27 TB/s and 790 TFLOP/s,
+the larger of the two times bounds the output tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.backends.cuda_backend import CudaBackend  # noqa: E402
+from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.model_loader import load_model  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from tests.gpu.test_model import LLAMA_32_1B, make_model  # noqa: E402
+
+WEIGHT_BYTES, KV_BYTES_PER_TOKEN, FLOPS_PER_TOKEN = 2.47e9, 32768, 2 * 1.24e9
+BANDWIDTH, PEAK = 4.27e12, 790e12
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    prompt_lens = rng.integers(100, 1025, args.requests)
+    output_lens = rng.integers(100, 1025, args.requests)
+    with tempfile.TemporaryDirectory() as tmp:
+        make_model(Path(tmp), LLAMA_32_1B, seed=0)
+        model = load_model(tmp)
+    backend = CudaBackend(model.config, model.weights)
+    blocks = int((prompt_lens + output_lens).sum() // 16 + 2 * args.requests)
+    engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=blocks, max_num_seqs=args.requests,
+                                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    warm = engine.make_sequence("warm", [1] * 64, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.add(warm)
+    while engine.has_work():
+        engine.step()
+    seqs = [engine.make_sequence(f"r{i}", rng.integers(0, 128000, p).tolist(),
+                                 SamplingParams(temperature=0.0, max_tokens=int(o), ignore_eos=True))
+            for i, (p, o) in enumerate(zip(prompt_lens, output_lens))]
+    start = time.perf_counter()
+    for s in seqs:
+        engine.add(s)
+    generated, steps = 0, 0
+    while engine.has_work():
+        generated += sum(len(o.token_ids) for o in engine.step())
+        steps += 1
+    elapsed = time.perf_counter() - start
+    assert generated == output_lens.sum()
+    # floor at batch B = all requests, mean context = mean prompt + half the mean output
+    B, context = args.requests, prompt_lens.mean() + output_lens.mean() / 2
+    step_s = max((WEIGHT_BYTES + B * context * KV_BYTES_PER_TOKEN) / BANDWIDTH, B * FLOPS_PER_TOKEN / PEAK)
+    print(f"{'requests':>8} | {'output tokens':>13} | {'steps':>6} | {'time (s)':>8} | {'output tok/s':>12} | {'floor tok/s':>11}")
+    print(f"{B:>8} | {generated:>13} | {steps:>6} | {elapsed:8.1f} | {generated / elapsed:12.0f} | {B / step_s:11.0f}")
+    print(f"(CUDA graph replays: {backend.graphs.replays if backend.graphs else 0} of {steps} steps; KV blocks: {blocks})")
+
+
+if __name__ == "__main__":
+    main()
