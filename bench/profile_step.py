@@ -1,0 +1,95 @@
+"""Where the time of one CUDA engine step goes, kernel by kernel (CUDA events around
+every launch and GEMM of an eager step): a decode step at batch 256 with ~850-token
+contexts, and a 1024-token prefill. Llama 3.2 1B shape, bfloat16, random weights.
+
+    python bench/profile_step.py      # on a machine with an NVIDIA GPU
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pycuda.driver as cuda
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.backends.cuda_backend import CudaBackend, Kernels  # noqa: E402
+from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.model_loader import load_model  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from tests.gpu.test_model import LLAMA_32_1B, make_model  # noqa: E402
+
+
+class Timer:
+    """Wraps each kernel and the GEMM call with start/end events on the backend's stream."""
+
+    def __init__(self, backend: CudaBackend):
+        self.backend, self.events, self.on = backend, [], False
+        for name in Kernels.SIGNATURES:
+            fn = getattr(backend.kernels, name)
+            fn.prepared_async_call = self._wrap(name, fn.prepared_async_call)
+        backend.blas.linear = self._wrap("gemm (cuBLAS)", backend.blas.linear)
+
+    def _wrap(self, name, call):
+        def timed(*args, **kwargs):
+            if not self.on:
+                return call(*args, **kwargs)
+            start, end = cuda.Event(), cuda.Event()
+            start.record(self.backend.stream)
+            result = call(*args, **kwargs)
+            end.record(self.backend.stream)
+            self.events.append((name, start, end))
+            return result
+        return timed
+
+    def measure(self, engine: LLMEngine) -> tuple[dict[str, float], float]:
+        self.events, self.on = [], True
+        with self.backend._context():
+            start = cuda.Event()
+            start.record(self.backend.stream)
+        engine.step()
+        self.on = False
+        with self.backend._context():
+            end = cuda.Event()
+            end.record(self.backend.stream)
+            end.synchronize()
+            times = defaultdict(float)
+            for name, a, b in self.events:
+                times[name] += b.time_since(a)
+            return times, end.time_since(start)
+
+
+def report(title: str, times: dict[str, float], total: float) -> None:
+    print(f"\n{title}: {total:.2f} ms from first launch to end of step (GPU time of the listed work: {sum(times.values()):.2f} ms)")
+    for name, ms in sorted(times.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<26} {ms:8.3f} ms")
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        make_model(Path(tmp), LLAMA_32_1B, seed=0)
+        model = load_model(tmp)
+    backend = CudaBackend(model.config, model.weights, cuda_graphs=False)
+    engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192))
+    timer = Timer(backend)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    engine.add(engine.make_sequence("warm", rng.integers(0, 128000, 1024).tolist(), params))
+    engine.step()  # warm-up, a 1024-token prefill
+    engine.abort("warm")
+    engine.add(engine.make_sequence("prefill", rng.integers(0, 128000, 1024).tolist(), params))
+    report("prefill of 1024 tokens", *timer.measure(engine))
+    engine.abort("prefill")
+    for i in range(256):
+        engine.add(engine.make_sequence(f"r{i}", rng.integers(0, 128000, 850).tolist(), params))
+    while any(s.num_uncomputed_tokens > 1 or not s.output_ids for s in engine.scheduler.running + list(engine.scheduler.waiting)):
+        engine.step()
+    report("decode step, batch 256, context ~850", *timer.measure(engine))
+
+
+if __name__ == "__main__":
+    main()
