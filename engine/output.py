@@ -37,6 +37,15 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def absorb(self, later: "RequestOutput") -> None:
+        """Fold the next event of the same request into this one (for a reader that fell behind)."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        if later.finished:
+            self.finish_reason, self.stop_string, self.stop_token_id = later.finish_reason, later.stop_string, later.stop_token_id
+            self.usage, self.error = later.usage, later.error
+
 
 def _partial_stop_suffix(text: str, stops: list[str]) -> int:
     """Length of the longest end of `text` that could still grow into a stop string."""

@@ -64,12 +64,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 return
 
     def _next_output(self, outputs: queue.SimpleQueue, context: grpc.ServicerContext) -> RequestOutput:
+        """The next event; if the client fell behind, everything queued since, as one."""
         while True:
             try:
-                return outputs.get(timeout=1.0)
+                out = outputs.get(timeout=1.0)
+                break
             except queue.Empty:
                 if not self.loop.alive:
                     context.abort(grpc.StatusCode.INTERNAL, f"the engine stopped: {self.loop.fatal_error}")
+        while not out.finished:
+            try:
+                out.absorb(outputs.get_nowait())
+            except queue.Empty:
+                break
+        return out
 
     def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
         try:

@@ -8,6 +8,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.engine_loop import EngineLoop
+from engine.sampling_params import SamplingParams
 from llamastream.v1 import generation_pb2 as pb
 from server.app import Server, ServerConfig
 from server.servicer import GenerationServicer
@@ -114,3 +115,25 @@ def test_a_fatal_device_error_stops_serving(live_server):
     with pytest.raises(grpc.RpcError) as e:
         collect(stub(address).Generate(request(), timeout=10))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_reader_that_falls_behind_gets_coalesced_deltas(tiny_model):
+    """Events queued while a stream was not read go out as one Delta, with nothing lost."""
+    engine = make_engine(tiny_model)
+    loop = EngineLoop(engine)  # not started: the test plays the engine
+    servicer = GenerationServicer(loop, "numpy", max_in_flight=8)
+    seq = engine.make_sequence("slow", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    engine.add(seq)
+    produced = []
+    while engine.has_work():
+        produced += engine.step()
+    outputs = loop.submit(seq)  # (registers the queue; the engine already ran)
+    expected_ids = [t for o in produced[:-1] for t in o.token_ids]
+    expected_text = "".join(o.text for o in produced[:-1])
+    for out in produced[:-1]:
+        outputs.put(out)
+    first = servicer._next_output(outputs, context=None)
+    assert first.token_ids == expected_ids and first.text == expected_text and not first.finished
+    outputs.put(produced[-1])
+    last = servicer._next_output(outputs, context=None)
+    assert last.finished and last.usage.completion_tokens == 6
