@@ -112,6 +112,7 @@ def plot(runs: list[dict], path: str) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
@@ -124,6 +125,9 @@ def plot(runs: list[dict], path: str) -> None:
         b.plot(conc, [r[key]["p99"] for r in runs], "x--", label=f"{key[:4].upper()} p99")
     b.set(xscale="log", yscale="log", xlabel="max concurrency", ylabel="ms", title="latency")
     b.legend()
+    for axis in (a, b):  # ticks at the measured concurrencies only
+        axis.set_xticks(conc, [str(c) for c in conc])
+        axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
