@@ -70,6 +70,7 @@ class OutputStream:
         self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_ids, seq.params.skip_special_tokens)
         self.text = ""
         self.sent = 0  # characters of self.text already emitted
+        self.longest_stop = max((len(s) for s in seq.params.stop), default=0)
 
     def append(self, sample: SampleOutput) -> RequestOutput:
         seq, params = self.seq, self.seq.params
@@ -86,7 +87,7 @@ class OutputStream:
             out.finish_reason, out.stop_token_id = FinishReason.STOP, token
             self.text += self.detokenizer.flush()
         else:
-            searched_from = max(0, len(self.text) - max((len(s) for s in params.stop), default=0) + 1)
+            searched_from = max(0, len(self.text) - self.longest_stop + 1)
             self.text += self.detokenizer.add(token)
             if params.stop and len(seq.output_ids) >= params.min_tokens:
                 self._match_stop_string(out, searched_from)

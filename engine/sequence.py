@@ -48,9 +48,14 @@ class Sequence:
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(64)
         self.rng = np.random.Generator(np.random.Philox(self.seed))
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt + output, without building the whole list."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
     def num_tokens(self) -> int:

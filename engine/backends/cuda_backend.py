@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from pycuda.tools import DeviceMemoryPool
 
 from engine.backends.cublas import Cublas, CublasError
 from engine.backends.cuda_graph import CudaGraph
+from engine.backends.step_metadata import FIELDS, StepShape, build_metadata, field_sizes, step_shape
 from engine.config import ModelConfig
 from engine.sampler import SampleOutput, TokenLogprob, log_softmax
 from engine.scheduler import ScheduledSeq
@@ -71,26 +71,15 @@ class Kernels:
             setattr(self, name, fn)
 
 
-@dataclass(frozen=True)
-class StepShape:
-    tokens: int  # rows the kernels run over
-    samples: int  # rows that reach the head (the last token of each finishing sequence)
-    seqs: int  # block-table rows
-    max_blocks: int  # block-table width
-    partitions: int  # attention partitions of PARTITION positions
-
-
 class StepBuffers:
     """Device memory for one step of a given shape: int32 metadata, then activations."""
 
-    META = ("ids", "positions", "slots", "token_seq", "all_rows", "sample_rows", "tables")
-
     def __init__(self, c: ModelConfig, shape: StepShape, empty):
         T, S, P = shape.tokens, shape.samples, shape.partitions
-        sizes = [T, T, T, T, T, S, shape.seqs * shape.max_blocks]
+        sizes = field_sizes(shape)
         self.meta = empty((sum(sizes),), np.int32)
         offsets = np.cumsum([0] + sizes)
-        self.meta_ptr = {name: np.uintp(int(self.meta.gpudata) + 4 * int(o)) for name, o in zip(self.META, offsets)}
+        self.meta_ptr = {name: np.uintp(int(self.meta.gpudata) + 4 * int(o)) for name, o in zip(FIELDS, offsets)}
         rows, sample_rows = _tile_rows(T), _tile_rows(S)
         self.residual = empty((T, c.hidden_size), np.float32)
         self.h = empty((rows, c.hidden_size), np.uint16)
@@ -244,33 +233,8 @@ class CudaBackend:
     def _empty(self, shape, dtype) -> gpuarray.GPUArray:
         return gpuarray.empty(shape, dtype, allocator=self.pool.allocate)
 
-    def _step_shape(self, batch: list[ScheduledSeq]) -> StepShape:
-        tokens = sum(s.num_tokens for s in batch)
-        max_ctx = max(s.start + s.num_tokens for s in batch)
-        return StepShape(tokens=tokens, samples=sum(s.samples for s in batch), seqs=len(batch),
-                         max_blocks=max(len(s.seq.block_table) for s in batch), partitions=math.ceil(max_ctx / PARTITION))
-
     def _metadata(self, batch: list[ScheduledSeq], shape: StepShape) -> np.ndarray:
-        """Token ids, positions, cache slots, rows and block tables as one int32 array in
-        StepBuffers' layout. Rows past the batch (a graph's padding) read and write only
-        the reserved dummy block, and sample themselves."""
-        bs, T, dummy = self.block_size, shape.tokens, self.dummy_block
-        ids, positions = np.zeros(T, np.int64), np.zeros(T, np.int64)
-        slots, token_seq = np.full(T, dummy * bs, np.int64), np.arange(T) % shape.seqs
-        tables = np.full((shape.seqs, shape.max_blocks), dummy, np.int64)
-        sample_rows: list[int] = []
-        t = 0
-        for i, s in enumerate(batch):
-            n, table = s.num_tokens, np.asarray(s.seq.block_table, dtype=np.int64)
-            pos = np.arange(s.start, s.start + n)
-            ids[t : t + n] = s.seq.all_ids[s.start : s.start + n]
-            positions[t : t + n], slots[t : t + n], token_seq[t : t + n] = pos, table[pos // bs] * bs + pos % bs, i
-            tables[i, : len(table)] = table
-            t += n
-            if s.samples:
-                sample_rows.append(t - 1)
-        sample_rows += range(t, t + shape.samples - len(sample_rows))
-        return np.concatenate([ids, positions, slots, token_seq, np.arange(T), sample_rows, tables.ravel()]).astype(np.int32)
+        return build_metadata(batch, shape, self.block_size, self.dummy_block)
 
     def _launch(self, b: StepBuffers, shape: StepShape) -> None:
         """Queue the whole forward pass for `shape` on the stream (no allocation, no sync)."""
@@ -314,7 +278,7 @@ class CudaBackend:
             buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
             replay.launch()
             return buffers.logits[: len(batch)]
-        shape = self._step_shape(batch)
+        shape = step_shape(batch, PARTITION)
         buffers = StepBuffers(self.config, shape, self._empty)
         buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
         self._launch(buffers, shape)

@@ -108,7 +108,7 @@ class NumpyBackend:
     def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
         """Run the scheduled tokens; return logits [sampling sequences, vocab]."""
         c = self.config
-        ids = np.concatenate([np.asarray(s.seq.all_ids[s.start : s.start + s.num_tokens]) for s in batch])
+        ids = np.concatenate([np.asarray(s.seq.tokens(s.start, s.start + s.num_tokens)) for s in batch])
         positions = np.concatenate([np.arange(s.start, s.start + s.num_tokens) for s in batch])
         seq_slots = [self._slots(s.seq.block_table, s.start + s.num_tokens) for s in batch]
         new_slots = np.concatenate([slots[s.start :] for s, slots in zip(batch, seq_slots)])
