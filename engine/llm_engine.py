@@ -5,7 +5,6 @@ Not thread-safe: one thread (EngineLoop's) owns it, and with it the backend.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -16,7 +15,6 @@ from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingP
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import FinishReason, Sequence
 
-log = logging.getLogger("llamastream.engine")
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import uuid
@@ -17,7 +16,6 @@ from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server import protocol
 
-log = logging.getLogger("llamastream.server")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):

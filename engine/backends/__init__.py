@@ -1,7 +1,11 @@
 """Compute backends. Each holds the weights and the KV cache and runs a batch:
 
+    backend.name                                    "numpy" or "cuda"
+    backend.kv_cache_bytes_per_block(block_size)    to size the cache
     backend.allocate_kv_cache(num_blocks, block_size)
     backend.execute(batch) -> [SampleOutput | None for each scheduled sequence]
+    backend.forward(batch) -> logits of the sampling sequences (tests, benchmarks)
+    backend.is_fatal(error) -> bool                 optional: stop serving after it
 
 `numpy` is the float32 reference that runs anywhere; `cuda` runs on NVIDIA GPUs.
 """
