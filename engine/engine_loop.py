@@ -19,8 +19,10 @@ from engine.sequence import Sequence
 
 log = logging.getLogger("llamastream.engine")
 
+
 class DuplicateRequest(ValueError):
     """A request id that is already in flight."""
+
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_fatal: Callable[[str], None] | None = None):

@@ -16,7 +16,6 @@ from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import FinishReason, Sequence
 
 
-
 @dataclass
 class EngineConfig:
     block_size: int = 16

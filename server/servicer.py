@@ -17,7 +17,6 @@ from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server import protocol
 
 
-
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, loop: EngineLoop, backend_name: str, max_in_flight: int):
         self.loop = loop
