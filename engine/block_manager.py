@@ -19,7 +19,6 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
-        self._owner: dict[int, str] = {}  # block -> request id, for the invariant checks
 
     @property
     def num_free_blocks(self) -> int:
@@ -39,14 +38,10 @@ class BlockManager:
         if needed > len(self._free):
             raise RuntimeError(f"allocate {needed} blocks with {len(self._free)} free: check can_allocate first")
         for _ in range(needed):
-            block = self._free.popleft()
-            self._owner[block] = seq.request_id
-            seq.block_table.append(block)
+            seq.block_table.append(self._free.popleft())
 
     def free(self, seq: Sequence) -> None:
-        for block in seq.block_table:
-            del self._owner[block]
-            self._free.append(block)
+        self._free.extend(seq.block_table)
         seq.block_table = []
 
     def slot(self, seq: Sequence, position: int) -> int:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -83,11 +81,6 @@ class ModelConfig:
             rope_scaling=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
-
-    @classmethod
-    def from_hf_dir(cls, path: Path) -> "ModelConfig":
-        with open(path / "config.json") as f:
-            return cls.from_hf_dict(json.load(f))
 
     def to_hf_dict(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {

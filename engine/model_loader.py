@@ -44,9 +44,12 @@ def load_model(path: str | Path | None = None, progress: Progress | None = None)
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist: pass a Hugging Face directory or a .gguf file")
     if model_path.is_dir():
-        config = ModelConfig.from_hf_dir(model_path)
+        config_file = model_path / "config.json"
+        if not config_file.exists():
+            raise FileNotFoundError(f"{config_file} is missing: a Hugging Face model directory needs it")
+        raw_cfg = json.loads(config_file.read_text())
+        config = ModelConfig.from_hf_dict(raw_cfg)
         weights = load_hf_weights(model_path, progress)
-        raw_cfg = json.loads((model_path / "config.json").read_text())
         eos = raw_cfg.get("eos_token_id")
         tokenizer = Tokenizer.from_hf_dir(model_path, eos if isinstance(eos, list) else [eos] if eos is not None else None)
         name = model_path.name

@@ -233,6 +233,10 @@ class CudaBackend:
     def _empty(self, shape, dtype) -> gpuarray.GPUArray:
         return gpuarray.empty(shape, dtype, allocator=self.pool.allocate)
 
+    def _upload(self, values, dtype) -> gpuarray.GPUArray:
+        """A small host array to the device, queued on the stream, from the pool."""
+        return gpuarray.to_gpu_async(np.asarray(values, dtype=dtype), allocator=self.pool.allocate, stream=self.stream)
+
     def _metadata(self, batch: list[ScheduledSeq], shape: StepShape) -> np.ndarray:
         return build_metadata(batch, shape, self.block_size, self.dummy_block)
 
@@ -320,12 +324,11 @@ class CudaBackend:
             raw = {i: log_softmax(host[i].astype(np.float64)) for i in wants}
         self._apply_penalties(logits, seqs)
         p = [q.params for q in seqs]
-        to_gpu = lambda values, dtype: gpuarray.to_gpu_async(np.asarray(values, dtype=dtype), allocator=self.pool.allocate, stream=st)  # noqa: E731
         args = [
-            to_gpu([x.temperature for x in p], np.float32), to_gpu([x.top_p for x in p], np.float32),
-            to_gpu([x.top_k for x in p], np.int32), to_gpu([x.min_p for x in p], np.float32),
-            to_gpu([q.seed & 0xFFFFFFFF for q in seqs], np.uint32), to_gpu([(q.seed >> 32) & 0xFFFFFFFF for q in seqs], np.uint32),
-            to_gpu([len(q.output_ids) for q in seqs], np.int32),
+            self._upload([x.temperature for x in p], np.float32), self._upload([x.top_p for x in p], np.float32),
+            self._upload([x.top_k for x in p], np.int32), self._upload([x.min_p for x in p], np.float32),
+            self._upload([q.seed & 0xFFFFFFFF for q in seqs], np.uint32), self._upload([(q.seed >> 32) & 0xFFFFFFFF for q in seqs], np.uint32),
+            self._upload([len(q.output_ids) for q in seqs], np.int32),
         ]
         out = self._empty((S,), np.int32)
         self.kernels.sample_tokens.prepared_async_call((S, 1), (1024, 1, 1), st, _ptr(out), _ptr(logits), np.int32(V),
@@ -359,11 +362,10 @@ class CudaBackend:
         if not rows:
             return
         st = self.stream
-        up = lambda v, dt: gpuarray.to_gpu_async(np.asarray(v, dtype=dt), allocator=self.pool.allocate, stream=st)  # noqa: E731
-        arrays = [up(rows, np.int32), up(toks, np.int32), up(counts, np.int32), up(banned, np.int32),
-                  up([q.params.repetition_penalty for q in seqs], np.float32),
-                  up([q.params.presence_penalty for q in seqs], np.float32),
-                  up([q.params.frequency_penalty for q in seqs], np.float32)]
+        arrays = [self._upload(rows, np.int32), self._upload(toks, np.int32), self._upload(counts, np.int32), self._upload(banned, np.int32),
+                  self._upload([q.params.repetition_penalty for q in seqs], np.float32),
+                  self._upload([q.params.presence_penalty for q in seqs], np.float32),
+                  self._upload([q.params.frequency_penalty for q in seqs], np.float32)]
         n = len(rows)
         self.kernels.apply_penalties.prepared_async_call(((n + 255) // 256, 1), (256, 1, 1), st, _ptr(logits),
                                                          np.int32(self.config.vocab_size), np.int32(n),
