@@ -1,6 +1,8 @@
 """Where the time of one CUDA engine step goes, kernel by kernel (CUDA events around
-every launch and GEMM of an eager step): a decode step at batch 256 with ~850-token
-contexts, and a 1024-token prefill. Llama 3.2 1B shape, bfloat16, random weights.
+every launch and GEMM of an eager step): a 1024-token prefill, a decode step at batch 1
+with a 200-token context and one at batch 256 with ~850-token contexts; then, with CUDA
+graphs, the wall time of a batch-1 engine step beside the GPU time of its graph replay.
+Llama 3.2 1B shape, bfloat16, random weights.
 
     python bench/profile_step.py      # on a machine with an NVIDIA GPU
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -69,10 +72,36 @@ def report(title: str, times: dict[str, float], total: float) -> None:
         print(f"  {name:<26} {ms:8.3f} ms")
 
 
+def graph_step_times(model) -> None:
+    """Batch 1 with CUDA graphs: where a step's wall time goes, host against GPU."""
+    backend = CudaBackend(model.config, model.weights, cuda_graphs=True)
+    engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine.add(engine.make_sequence("b1", list(range(1000, 1128)), params))
+    for _ in range(20):
+        engine.step()
+    walls, gpus = [], []
+    replay = backend.graphs.graphs[1][2]
+    for _ in range(50):
+        start = time.perf_counter()
+        engine.step()
+        walls.append((time.perf_counter() - start) * 1e3)
+        with backend._context():
+            a, b = cuda.Event(), cuda.Event()
+            a.record(backend.stream)
+            replay.launch()
+            b.record(backend.stream)
+            b.synchronize()
+            gpus.append(b.time_since(a))
+    print(f"\nbatch-1 engine step with CUDA graphs: {np.median(walls):.3f} ms wall, "
+          f"of which the forward replay is {np.median(gpus):.3f} ms of GPU time")
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp), LLAMA_32_1B, seed=0)
         model = load_model(tmp)
+    graph_step_times(model)
     backend = CudaBackend(model.config, model.weights, cuda_graphs=False)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192))
     timer = Timer(backend)
@@ -84,6 +113,10 @@ def main() -> None:
     engine.add(engine.make_sequence("prefill", rng.integers(0, 128000, 1024).tolist(), params))
     report("prefill of 1024 tokens", *timer.measure(engine))
     engine.abort("prefill")
+    engine.add(engine.make_sequence("b1", rng.integers(0, 128000, 200).tolist(), params))
+    engine.step()
+    report("decode step, batch 1, context 200", *timer.measure(engine))
+    engine.abort("b1")
     for i in range(256):
         engine.add(engine.make_sequence(f"r{i}", rng.integers(0, 128000, 850).tolist(), params))
     while any(s.num_uncomputed_tokens > 1 or not s.output_ids for s in engine.scheduler.running + list(engine.scheduler.waiting)):

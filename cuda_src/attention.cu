@@ -3,21 +3,59 @@
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
 #endif
-#define TILE 32              // context positions per shared-memory tile: one per lane
-#define DIMS_PER_LANE (HEAD_DIM / 32)
+#ifndef GROUP
+#define GROUP 4              // query heads per KV head
+#endif
+#define WARPS 4              // threads per block: 32 * WARPS
+#define VEC 8                // bf16 per 16-byte load
+#define ROW_LANES (HEAD_DIM / VEC)       // lanes that read one K/V row together
+#define ROWS_PER_WARP (32 / ROW_LANES)   // context positions a warp reads per load
+#define UNROLL (GROUP <= 4 ? 4 : 2)      // loads in flight per lane
+#define MAX_PART_BLOCKS 256  // KV blocks one partition may touch (checked by the host)
 
 // Causal grouped-query attention over the paged KV cache, for decode and for
 // (chunked) prefill alike: query token t of sequence s at position p attends to
 // positions 0..p of s, whose K/V sit in cache slots block_table[s][j / bs] * bs + j % bs.
 //
-//   out[t, h, :] = sum_j softmax_j(q[t, h] . k[j, h / group] * scale) v[j, h / group]
+//   out[t, h, :] = sum_j softmax_j(q[t, h] . k[j, h / GROUP] * scale) v[j, h / GROUP]
 //
-// Pass 1 (paged_attention_partial): grid (tokens, kv_heads, partitions), one warp per
-// query head of the kv head's group, so each K/V tile is read once for the whole
-// group. Each block covers `partition` context positions and leaves an unnormalised
-// partial result with its running max and sum (online softmax), so long contexts
-// spread over many blocks. Pass 2 (paged_attention_merge) rescales and sums them.
-extern "C" __global__ void paged_attention_partial(
+// Pass 1 (paged_attention_partial): grid (tokens, kv_heads, partitions). A block covers
+// `partition` context positions of one KV head. Each K/V row is read once, with 16-byte
+// loads by ROW_LANES lanes, into registers, and serves all GROUP query heads of that KV
+// head. Every lane row-group keeps its own online softmax (running max m, sum l and
+// unnormalised output) over the positions it reads; they are merged across the warp
+// and then across warps, always in the same order, so a token's result depends only on
+// its own context, not on the rest of the batch. The block leaves a partial result with
+// its max and sum; pass 2 (paged_attention_merge) rescales and sums the partitions.
+// The numpy backend's paged_attention is the oracle (tests/gpu/test_kernels.py).
+
+struct Softmax {  // online softmax state of one lane for one query head
+    float m, l, acc[VEC];
+};
+
+__device__ __forceinline__ void load_bf16x8(const bf16* p, float* out) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VEC / 2; i++) {
+        float2 f = __bfloat1622float2(pairs[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+// Fold state b into a (both over disjoint positions).
+__device__ __forceinline__ void merge(Softmax& a, float bm, float bl, const float* bacc) {
+    float m = fmaxf(a.m, bm);
+    if (m == -INFINITY) return;  // neither has seen a position
+    float wa = __expf(a.m - m), wb = __expf(bm - m);
+    a.l = a.l * wa + bl * wb;
+#pragma unroll
+    for (int i = 0; i < VEC; i++) a.acc[i] = a.acc[i] * wa + bacc[i] * wb;
+    a.m = m;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial(
     float* __restrict__ part_acc,     // [tokens, heads, partitions, HEAD_DIM]
     float* __restrict__ part_max,     // [tokens, heads, partitions]
     float* __restrict__ part_sum,     // [tokens, heads, partitions]
@@ -27,61 +65,222 @@ extern "C" __global__ void paged_attention_partial(
     const int* __restrict__ block_tables, int max_blocks,  // [seqs, max_blocks]
     const int* __restrict__ token_seq, const int* __restrict__ positions,
     int heads, int kv_heads, int block_size, int partition, float scale) {
-    __shared__ float q_s[8][HEAD_DIM];
-    __shared__ bf16 k_s[TILE][HEAD_DIM + 2];  // +2: rows start on different banks
-    __shared__ bf16 v_s[TILE][HEAD_DIM];
+    __shared__ int blocks_s[MAX_PART_BLOCKS];
+    __shared__ float m_s[WARPS][GROUP], l_s[WARPS][GROUP];
+    __shared__ float acc_s[WARPS][GROUP][HEAD_DIM];
 
     const int t = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
-    const int group = heads / kv_heads;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int h = kvh * group + warp;
-    const int ctx = positions[t] + 1;
-    const int begin = part * partition, end = min(ctx, begin + partition);
-    const size_t part_idx = ((size_t)t * heads + h) * gridDim.z + part;
+    const int row = lane / ROW_LANES, col = (lane % ROW_LANES) * VEC;
+    const int begin = part * partition, end = min(positions[t] + 1, begin + partition);
     const int* table = block_tables + (size_t)token_seq[t] * max_blocks;
+    if (begin >= end) {  // a partition past the context adds nothing
+        for (int g = threadIdx.x; g < GROUP; g += blockDim.x) {
+            const size_t part_idx = ((size_t)t * heads + kvh * GROUP + g) * gridDim.z + part;
+            part_max[part_idx] = -INFINITY;
+            part_sum[part_idx] = 0.f;
+        }
+        return;
+    }
+    const int first_block = begin / block_size;
+    for (int i = threadIdx.x; i <= (end - 1) / block_size - first_block; i += blockDim.x)
+        blocks_s[i] = table[first_block + i];
 
+    float q[GROUP][VEC];
     const size_t width = (size_t)(heads + 2 * kv_heads) * HEAD_DIM;
-    for (int d = lane; d < HEAD_DIM; d += 32) q_s[warp][d] = to_f32(qkv[t * width + (size_t)h * HEAD_DIM + d]) * scale;
-
-    float m = -INFINITY, l = 0.f, acc[DIMS_PER_LANE];
 #pragma unroll
-    for (int i = 0; i < DIMS_PER_LANE; i++) acc[i] = 0.f;
+    for (int g = 0; g < GROUP; g++) {
+        load_bf16x8(qkv + t * width + (size_t)(kvh * GROUP + g) * HEAD_DIM + col, q[g]);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) q[g][i] *= scale;
+    }
+    Softmax s[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; g++) {
+        s[g].m = -INFINITY;
+        s[g].l = 0.f;
+#pragma unroll
+        for (int i = 0; i < VEC; i++) s[g].acc[i] = 0.f;
+    }
+    __syncthreads();  // blocks_s is written
 
-    for (int tile = begin; tile < end; tile += TILE) {
-        const int n = min(TILE, end - tile);
-        __syncthreads();  // the previous tile is consumed (and q_s written, the first time)
-        for (int e = threadIdx.x; e < n * HEAD_DIM; e += blockDim.x) {
-            int j = e / HEAD_DIM, d = e % HEAD_DIM, pos = tile + j;
-            size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
-            size_t idx = (slot * kv_heads + kvh) * HEAD_DIM + d;
-            k_s[j][d] = k_cache[idx];
-            v_s[j][d] = v_cache[idx];
+    // Warp-uniform loop (the shuffles below need every lane): lanes past `end` mask out.
+    const int stride = WARPS * ROWS_PER_WARP;
+    for (int base = begin + warp * ROWS_PER_WARP; base < end; base += stride * UNROLL) {
+        float k[UNROLL][VEC], v[UNROLL][VEC];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const int pos = base + u * stride + row;
+            if (pos < end) {
+                const size_t slot = (size_t)blocks_s[pos / block_size - first_block] * block_size + pos % block_size;
+                const size_t idx = (slot * kv_heads + kvh) * HEAD_DIM + col;
+                load_bf16x8(k_cache + idx, k[u]);
+                load_bf16x8(v_cache + idx, v[u]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < VEC; i++) k[u][i] = v[u][i] = 0.f;  // (no NaN from stale registers)
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; g++) {
+            float score[UNROLL], m = s[g].m;
+#pragma unroll
+            for (int u = 0; u < UNROLL; u++) {
+                score[u] = 0.f;
+#pragma unroll
+                for (int i = 0; i < VEC; i++) score[u] += q[g][i] * k[u][i];
+#pragma unroll
+                for (int o = ROW_LANES / 2; o > 0; o >>= 1) score[u] += __shfl_xor_sync(0xffffffff, score[u], o);
+                if (base + u * stride + row >= end) score[u] = -INFINITY;
+                m = fmaxf(m, score[u]);
+            }
+            // m is -inf only while this lane has seen no position: then p = 0 and
+            // nothing changes (without a branch: shuffles follow)
+            const float ref = m == -INFINITY ? 0.f : m;
+            const float rescale = __expf(s[g].m - ref);
+            s[g].l *= rescale;
+#pragma unroll
+            for (int i = 0; i < VEC; i++) s[g].acc[i] *= rescale;
+#pragma unroll
+            for (int u = 0; u < UNROLL; u++) {
+                const float p = __expf(score[u] - ref);  // 0 past the end
+                s[g].l += p;
+#pragma unroll
+                for (int i = 0; i < VEC; i++) s[g].acc[i] += p * v[u][i];
+            }
+            s[g].m = m;
+        }
+    }
+
+    // Merge the warp's row groups (lanes that hold the same dims), then the warps.
+#pragma unroll
+    for (int g = 0; g < GROUP; g++) {
+#pragma unroll
+        for (int o = ROW_LANES; o < 32; o <<= 1) {
+            float other_acc[VEC];
+#pragma unroll
+            for (int i = 0; i < VEC; i++) other_acc[i] = __shfl_xor_sync(0xffffffff, s[g].acc[i], o);
+            const float other_m = __shfl_xor_sync(0xffffffff, s[g].m, o);
+            const float other_l = __shfl_xor_sync(0xffffffff, s[g].l, o);
+            merge(s[g], other_m, other_l, other_acc);
+        }
+        if (row == 0) {
+#pragma unroll
+            for (int i = 0; i < VEC; i++) acc_s[warp][g][col + i] = s[g].acc[i];
+            if (col == 0) {
+                m_s[warp][g] = s[g].m;
+                l_s[warp][g] = s[g].l;
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += blockDim.x) {
+        const int g = e / HEAD_DIM, d = e % HEAD_DIM;
+        float m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) m = fmaxf(m, m_s[w][g]);
+        float acc = 0.f, l = 0.f;
+        if (m != -INFINITY) {
+#pragma unroll
+            for (int w = 0; w < WARPS; w++) {
+                const float weight = __expf(m_s[w][g] - m);  // 0 for a warp that saw nothing
+                acc += acc_s[w][g][d] * weight;
+                l += l_s[w][g] * weight;
+            }
+        }
+        const size_t part_idx = ((size_t)t * heads + kvh * GROUP + g) * gridDim.z + part;
+        part_acc[part_idx * HEAD_DIM + d] = acc;
+        if (d == 0) {
+            part_max[part_idx] = m;  // -inf for a partition past the context: it adds nothing
+            part_sum[part_idx] = l;
+        }
+    }
+}
+
+// Causal attention for prompt tokens (prefill), the same function as above, computed
+// with K/V shared through shared memory by a tile of up to Q_ROWS query rows of one
+// sequence at consecutive positions. grid: (query tiles, kv_heads); block:
+// Q_ROWS * GROUP * SPLIT threads, one per (query row, query head, slice of DIMS dims).
+// Every thread keeps its own online softmax; K/V tiles are visited from position 0 in
+// the same order whatever the query tile, so a row's result does not depend on the
+// batch. tiles[i] = (first row, rows) of query tile i. Threads past Q_ROWS * GROUP *
+// SPLIT (when that falls short of PREFILL_THREADS) shadow the last row and write nothing.
+#define PREFILL_THREADS 128
+#define DIMS 64                      // dims per thread
+#define SPLIT (HEAD_DIM / DIMS)      // threads per (query row, head)
+#define Q_ROWS (PREFILL_THREADS / (GROUP * SPLIT))
+#define KV_TILE 32
+#define CHUNK 8                      // positions scored before one softmax rescale
+
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention(
+    bf16* __restrict__ out,           // [rows, heads * HEAD_DIM]
+    const bf16* __restrict__ qkv, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+    const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ token_seq,
+    const int* __restrict__ positions, const int* __restrict__ tiles,
+    int heads, int kv_heads, int block_size, float scale) {
+    __shared__ float k_s[KV_TILE][HEAD_DIM], v_s[KV_TILE][HEAD_DIM];
+    const int kvh = blockIdx.y, first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
+    const int slice = threadIdx.x % SPLIT, g = threadIdx.x / SPLIT % GROUP, r = threadIdx.x / (SPLIT * GROUP);
+    const int row = first + min(r, rows - 1);  // threads past the tile shadow its last row
+    const int pos = positions[row], last = positions[first + rows - 1];
+    const int* table = block_tables + (size_t)token_seq[first] * max_blocks;
+    const int h = kvh * GROUP + g, d0 = slice * DIMS;
+    const size_t width = (size_t)(heads + 2 * kv_heads) * HEAD_DIM;
+
+    float q[DIMS], acc[DIMS], m = -INFINITY, l = 0.f;
+#pragma unroll
+    for (int i = 0; i < DIMS; i += VEC) load_bf16x8(qkv + row * width + (size_t)h * HEAD_DIM + d0 + i, q + i);
+#pragma unroll
+    for (int i = 0; i < DIMS; i++) {
+        q[i] *= scale;
+        acc[i] = 0.f;
+    }
+    for (int tile = 0; tile <= last; tile += KV_TILE) {
+        __syncthreads();  // the previous tile is consumed
+        for (int e = threadIdx.x; e < KV_TILE * HEAD_DIM / VEC; e += blockDim.x) {
+            const int j = e / (HEAD_DIM / VEC), d = e % (HEAD_DIM / VEC) * VEC, p = tile + j;
+            if (p <= last) {
+                const size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
+                const size_t idx = (slot * kv_heads + kvh) * HEAD_DIM + d;
+                load_bf16x8(k_cache + idx, &k_s[j][d]);
+                load_bf16x8(v_cache + idx, &v_s[j][d]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < VEC; i++) k_s[j][d + i] = v_s[j][d + i] = 0.f;
+            }
         }
         __syncthreads();
-        float score = -INFINITY;
-        if (lane < n) {
-            score = 0.f;
-#pragma unroll 8
-            for (int d = 0; d < HEAD_DIM; d++) score += q_s[warp][d] * to_f32(k_s[lane][d]);
-        }
-        float m_new = fmaxf(m, warp_max(score));
-        float p = lane < n ? __expf(score - m_new) : 0.f;
-        float rescale = __expf(m - m_new);  // 0 on the first tile (m = -inf)
-        l = l * rescale + warp_sum(p);
+        for (int c = 0; c < KV_TILE && tile + c <= last; c += CHUNK) {
+            float score[CHUNK], m_new = m;
 #pragma unroll
-        for (int i = 0; i < DIMS_PER_LANE; i++) acc[i] *= rescale;
-        for (int j = 0; j < n; j++) {
-            float pj = __shfl_sync(0xffffffff, p, j);
+            for (int j = 0; j < CHUNK; j++) {
+                float s = 0.f;
 #pragma unroll
-            for (int i = 0; i < DIMS_PER_LANE; i++) acc[i] += pj * to_f32(v_s[j][lane + 32 * i]);
+                for (int i = 0; i < DIMS; i++) s += q[i] * k_s[c + j][d0 + i];
+#pragma unroll
+                for (int o = SPLIT / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+                score[j] = tile + c + j <= pos ? s : -INFINITY;  // causal (and the tile's end)
+                m_new = fmaxf(m_new, score[j]);
+            }
+            const float ref = m_new == -INFINITY ? 0.f : m_new;  // as in paged_attention_partial
+            const float rescale = __expf(m - ref);
+            l *= rescale;
+#pragma unroll
+            for (int i = 0; i < DIMS; i++) acc[i] *= rescale;
+#pragma unroll
+            for (int j = 0; j < CHUNK; j++) {
+                const float p = __expf(score[j] - ref);
+                l += p;
+#pragma unroll
+                for (int i = 0; i < DIMS; i++) acc[i] += p * v_s[c + j][d0 + i];
+            }
+            m = m_new;
         }
-        m = m_new;
     }
+    if (r < rows) {
+        bf16* o = out + (size_t)row * heads * HEAD_DIM + (size_t)h * HEAD_DIM + d0;
 #pragma unroll
-    for (int i = 0; i < DIMS_PER_LANE; i++) part_acc[part_idx * HEAD_DIM + lane + 32 * i] = acc[i];
-    if (lane == 0) {
-        part_max[part_idx] = m;  // -inf for a partition past the context: it adds nothing
-        part_sum[part_idx] = l;
+        for (int i = 0; i < DIMS; i++) o[i] = to_bf16(acc[i] / l);
     }
 }
 

@@ -24,10 +24,10 @@ def test_there_are_kernels():
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed (CI and the development machines have it)")
 @pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_compiles_for_sm90_without_spills(source, head_dim, tmp_path):
+@pytest.mark.parametrize("head_dim, group", [(64, 4), (128, 8), (64, 3)])
+def test_compiles_for_sm90_without_spills(source, head_dim, group, tmp_path):
     result = subprocess.run(
-        [NVCC, "-arch=sm_90", "-cubin", "-O3", f"-DHEAD_DIM={head_dim}", "-Xptxas", "-v", f"-I{CUDA_SRC}",
+        [NVCC, "-arch=sm_90", "-cubin", "-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", "-Xptxas", "-v", f"-I{CUDA_SRC}",
          "-o", str(tmp_path / "k.cubin"), str(source)],
         capture_output=True, text=True, timeout=300,
     )

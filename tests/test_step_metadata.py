@@ -6,30 +6,44 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.backends.step_metadata import FIELDS, StepShape, build_metadata, field_sizes, step_shape
+from engine.backends.step_metadata import (
+    FIELDS, GENERATED_TILE, PROMPT_TILE, StepShape, build_metadata, decode_shape, field_sizes, step_shape,
+)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 
-BLOCK, DUMMY = 4, 999
+BLOCK, DUMMY, QUERY_ROWS = 4, 999, 3
 
 
 def naive(batch: list[ScheduledSeq], shape: StepShape) -> dict[str, list[int]]:
-    """One token at a time, straight from the definitions."""
-    f = {name: [] for name in FIELDS}
+    """One token at a time, straight from the definitions: generated tokens from row 0,
+    prompt tokens from row shape.generated_rows, padding rows everywhere else."""
+    T = shape.tokens
+    f = {"ids": [0] * T, "positions": [0] * T, "slots": [DUMMY * BLOCK] * T, "token_seq": [t % shape.seqs for t in range(T)]}
+    next_row = {True: 0, False: shape.generated_rows}
+    f["sample_rows"], f["tables"], f["prompt_tiles"] = [], [], []
     for i, s in enumerate(batch):
         for p in range(s.start, s.start + s.num_tokens):
-            f["ids"].append((s.seq.prompt_ids + s.seq.output_ids)[p])
-            f["positions"].append(p)
-            f["slots"].append(s.seq.block_table[p // BLOCK] * BLOCK + p % BLOCK)
-            f["token_seq"].append(i)
+            generated = p >= len(s.seq.prompt_ids)
+            r = next_row[generated]
+            if not generated:  # a new query tile every QUERY_ROWS prompt rows of a sequence
+                first_of_seq = p == s.start
+                if first_of_seq or f["prompt_tiles"][-1] == QUERY_ROWS:
+                    f["prompt_tiles"] += [r, 0]
+                f["prompt_tiles"][-1] += 1
+            next_row[generated] += 1
+            f["ids"][r] = (s.seq.prompt_ids + s.seq.output_ids)[p]
+            f["positions"][r] = p
+            f["slots"][r] = s.seq.block_table[p // BLOCK] * BLOCK + p % BLOCK
+            f["token_seq"][r] = i
         if s.samples:
-            f["sample_rows"].append(len(f["ids"]) - 1)
-    real = len(f["ids"])
-    for t in range(real, shape.tokens):  # padding rows of a graph
-        f["ids"].append(0), f["positions"].append(0), f["slots"].append(DUMMY * BLOCK), f["token_seq"].append(t % shape.seqs)
-    f["sample_rows"] += list(range(real, real + shape.samples - len(f["sample_rows"])))
-    f["all_rows"] = list(range(shape.tokens))
+            f["sample_rows"].append(r)
+    assert next_row[True] <= shape.generated and next_row[False] - shape.generated_rows == shape.prompt
+    used = set(range(next_row[True])) | set(range(shape.generated_rows, next_row[False]))
+    padding = [t for t in range(T) if t not in used]
+    f["sample_rows"] += padding[: shape.samples - len(f["sample_rows"])]
+    f["all_rows"] = list(range(T))
     for i in range(shape.seqs):
         table = batch[i].seq.block_table if i < len(batch) else []
         f["tables"] += table + [DUMMY] * (shape.max_blocks - len(table))
@@ -55,11 +69,10 @@ def batches(draw):
 @settings(max_examples=200, deadline=None)
 @given(batches(), st.integers(0, 5))
 def test_metadata_matches_the_per_token_definition(batch, padding):
-    shape = step_shape(batch, partition=512)
-    if padding and all(s.num_tokens == 1 and s.samples for s in batch):  # a graph's padded decode step
-        size = len(batch) + padding
-        shape = StepShape(tokens=size, samples=size, seqs=size, max_blocks=shape.max_blocks + 2, partitions=8)
-    got = build_metadata(batch, shape, BLOCK, DUMMY)
+    shape = step_shape(batch, partition=512, query_rows=QUERY_ROWS)
+    if padding and all(s.num_tokens == 1 and s.samples and s.start >= len(s.seq.prompt_ids) for s in batch):
+        shape = decode_shape(len(batch) + padding, max_blocks=shape.max_blocks + 2, partitions=8)  # a graph's
+    got = build_metadata(batch, shape, BLOCK, DUMMY, QUERY_ROWS)
     expected = naive(batch, shape)
     offsets = np.cumsum([0] + field_sizes(shape))
     assert len(got) == offsets[-1]
@@ -78,6 +91,15 @@ def test_sequence_token_slices():
 
 def test_an_empty_batch_is_all_padding():
     """(what a graph is captured with)"""
-    shape = StepShape(tokens=3, samples=3, seqs=3, max_blocks=2, partitions=8)
+    shape = decode_shape(3, max_blocks=2, partitions=8)
     f = naive([], shape)
-    assert build_metadata([], shape, BLOCK, DUMMY).tolist() == [v for name in FIELDS for v in f[name]]
+    assert build_metadata([], shape, BLOCK, DUMMY, QUERY_ROWS).tolist() == [v for name in FIELDS for v in f[name]]
+
+
+@given(batches())
+def test_gemm_tiles_cover_the_rows_by_class(batch):
+    shape = step_shape(batch, partition=512, query_rows=QUERY_ROWS)
+    tiles = shape.gemm_tiles()
+    assert [r for r, _ in tiles] == sorted(r for r, _ in tiles)
+    assert sum(n for _, n in tiles) == shape.rows >= shape.tokens
+    assert all(n == (GENERATED_TILE if r < shape.generated_rows else PROMPT_TILE) for r, n in tiles)

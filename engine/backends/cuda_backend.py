@@ -22,7 +22,9 @@ from pycuda.tools import DeviceMemoryPool
 
 from engine.backends.cublas import Cublas, CublasError
 from engine.backends.cuda_graph import CudaGraph
-from engine.backends.step_metadata import FIELDS, StepShape, build_metadata, field_sizes, step_shape
+from engine.backends.step_metadata import (
+    FIELDS, GENERATED_TILE, StepShape, build_metadata, decode_shape, field_sizes, step_shape,
+)
 from engine.config import ModelConfig
 from engine.sampler import SampleOutput, TokenLogprob, log_softmax
 from engine.scheduler import ScheduledSeq
@@ -30,12 +32,15 @@ from engine.weights import Weights, f32_to_bf16_bits
 
 log = logging.getLogger("llamastream.engine")
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
-PARTITION = 512  # context positions per attention thread block
-# Every GEMM runs over tiles of exactly this many rows (activations are padded to a
-# multiple): cuBLAS picks its algorithm by shape, so a fixed shape computes each row
-# the same way whatever else is in the batch. A request's tokens then do not depend
-# on its batch. At 64 rows a bf16 GEMM is still bound by reading the weights.
-GEMM_ROWS = 64
+PARTITION = 256  # context positions per attention thread block
+ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
+PREFILL_THREADS = 128  # as in attention.cu
+MAX_PART_BLOCKS = 256  # as in attention.cu
+
+
+def prefill_query_rows(head_dim: int, group: int) -> int:
+    """Query rows per prefill_attention block (Q_ROWS in attention.cu)."""
+    return PREFILL_THREADS // (group * (head_dim // 64))
 WORKSPACE_BYTES = 32 * 2**20
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
 
@@ -53,18 +58,19 @@ class Kernels:
         "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
         "paged_attention_partial": ("attention.cu", "PPPPPPPiPPiiiif"),
         "paged_attention_merge": ("attention.cu", "PPPPi"),
+        "prefill_attention": ("attention.cu", "PPPPPiPPPiiif"),
         "silu_and_mul": ("activation.cu", "PPi"),
         "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
         "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
     }
 
-    def __init__(self, head_dim: int, arch: str):
+    def __init__(self, head_dim: int, group: int, arch: str):
         modules = {}
         for name, (file, signature) in self.SIGNATURES.items():
             if file not in modules:
                 modules[file] = SourceModule(
                     (CUDA_SRC / file).read_text(), no_extern_c=True, arch=arch,
-                    options=["-O3", f"-DHEAD_DIM={head_dim}"], include_dirs=[str(CUDA_SRC)],
+                    options=["-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"], include_dirs=[str(CUDA_SRC)],
                 )
             fn = modules[file].get_function(name)
             fn.prepare(signature)
@@ -75,12 +81,12 @@ class StepBuffers:
     """Device memory for one step of a given shape: int32 metadata, then activations."""
 
     def __init__(self, c: ModelConfig, shape: StepShape, empty):
-        T, S, P = shape.tokens, shape.samples, shape.partitions
+        T, S, P, G = shape.tokens, shape.samples, shape.partitions, shape.generated
         sizes = field_sizes(shape)
         self.meta = empty((sum(sizes),), np.int32)
         offsets = np.cumsum([0] + sizes)
         self.meta_ptr = {name: np.uintp(int(self.meta.gpudata) + 4 * int(o)) for name, o in zip(FIELDS, offsets)}
-        rows, sample_rows = _tile_rows(T), _tile_rows(S)
+        rows, sample_rows = shape.rows, max(1, -(-S // GENERATED_TILE)) * GENERATED_TILE
         self.residual = empty((T, c.hidden_size), np.float32)
         self.h = empty((rows, c.hidden_size), np.uint16)
         self.qkv = empty((rows, c.q_size + 2 * c.kv_size), np.uint16)
@@ -88,20 +94,17 @@ class StepBuffers:
         self.delta = empty((rows, c.hidden_size), np.uint16)
         self.gate_up = empty((rows, 2 * c.intermediate_size), np.uint16)
         self.act = empty((rows, c.intermediate_size), np.uint16)
-        self.part_acc = empty((T, c.num_heads, P, c.head_dim), np.float32)
-        self.part_max = empty((T, c.num_heads, P), np.float32)
-        self.part_sum = empty((T, c.num_heads, P), np.float32)
+        self.part_acc = empty((G, c.num_heads, P, c.head_dim), np.float32)
+        self.part_max = empty((G, c.num_heads, P), np.float32)
+        self.part_sum = empty((G, c.num_heads, P), np.float32)
         self.final = empty((sample_rows, c.hidden_size), np.uint16)
         self.logits = empty((sample_rows, c.vocab_size), np.float32)
 
 
-def _tile_rows(n: int) -> int:
-    return max(1, -(-n // GEMM_ROWS)) * GEMM_ROWS
-
-
 class DecodeGraphs:
     """One captured decode step per batch-size bucket, for batches of single-token
-    decodes whose contexts fit `max_context`; padding rows use the dummy KV block.
+    decodes (of generated tokens: prompt tokens take other GEMM tiles) whose contexts
+    fit `max_context`; padding rows use the dummy KV block.
     Replays compute exactly what eager steps do (the same kernels and GEMM tiles)."""
 
     def __init__(self, backend: "CudaBackend", max_batch: int, max_context: int):
@@ -113,7 +116,9 @@ class DecodeGraphs:
         self.replays = 0
 
     def for_batch(self, batch: list[ScheduledSeq]):
-        if any(s.num_tokens != 1 or not s.samples for s in batch) or len(batch) > self.buckets[-1]:
+        if len(batch) > self.buckets[-1]:
+            return None
+        if any(s.num_tokens != 1 or not s.samples or s.start < len(s.seq.prompt_ids) for s in batch):
             return None
         if max(s.start + 1 for s in batch) > self.max_context:
             return None
@@ -125,8 +130,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int):
         be = self.backend
-        shape = StepShape(tokens=size, samples=size, seqs=size, max_blocks=self.max_blocks,
-                          partitions=math.ceil(self.max_context / PARTITION))
+        shape = decode_shape(size, self.max_blocks, math.ceil(self.max_context / PARTITION))
         buffers = StepBuffers(be.config, shape, lambda sh, dt: gpuarray.empty(sh, dt))
         buffers.meta.set(be._metadata([], shape))  # all padding: valid to run
         be._launch(buffers, shape)  # once eagerly, so cuBLAS settles its choices outside the capture
@@ -145,15 +149,17 @@ class CudaBackend:
 
     def __init__(self, config: ModelConfig, weights: Weights, device: int = 0, cuda_graphs: bool = True,
                  graph_max_batch: int = 256, graph_max_context: int = 4096):
-        if config.head_dim % 32 or config.num_heads // config.num_kv_heads > 8:
-            raise ValueError("the CUDA attention kernel needs head_dim a multiple of 32 and at most 8 heads per KV head")
+        if config.head_dim not in (64, 128) or config.num_heads // config.num_kv_heads > 8:
+            raise ValueError("the CUDA attention kernels need head_dim 64 or 128 and at most 8 heads per KV head")
         self.config = config
         cuda.init()
         self.device = cuda.Device(device)
         self.ctx = self.device.retain_primary_context()
         with self._context():
             major, minor = self.device.compute_capability()
-            self.kernels = Kernels(config.head_dim, f"sm_{major}{minor}")
+            group = config.num_heads // config.num_kv_heads
+            self.kernels = Kernels(config.head_dim, group, f"sm_{major}{minor}")
+            self.query_rows = prefill_query_rows(config.head_dim, group)
             self.stream = cuda.Stream()
             self.pool = DeviceMemoryPool()
             self.workspace = cuda.mem_alloc(WORKSPACE_BYTES)
@@ -214,6 +220,9 @@ class CudaBackend:
         return max(1, int(budget // self.kv_cache_bytes_per_block(block_size)))
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        if PARTITION // block_size + 2 > MAX_PART_BLOCKS:
+            raise ValueError(f"block size {block_size} is too small for the attention kernel: use at least "
+                             f"{-(-PARTITION // (MAX_PART_BLOCKS - 2))}")
         c = self.config
         shape = ((num_blocks + 1) * block_size, c.num_kv_heads, c.head_dim)  # + the dummy block
         with self._context():
@@ -238,41 +247,59 @@ class CudaBackend:
         return gpuarray.to_gpu_async(np.asarray(values, dtype=dtype), allocator=self.pool.allocate, stream=self.stream)
 
     def _metadata(self, batch: list[ScheduledSeq], shape: StepShape) -> np.ndarray:
-        return build_metadata(batch, shape, self.block_size, self.dummy_block)
+        return build_metadata(batch, shape, self.block_size, self.dummy_block, self.query_rows)
 
     def _launch(self, b: StepBuffers, shape: StepShape) -> None:
         """Queue the whole forward pass for `shape` on the stream (no allocation, no sync)."""
         c, k, st, m = self.config, self.kernels, self.stream, b.meta_ptr
-        T, S, P = shape.tokens, shape.samples, shape.partitions
+        T, S = shape.tokens, shape.samples
         H, KVH, D, I = c.hidden_size, c.num_kv_heads, c.head_dim, c.intermediate_size
-        eps, scale = np.float32(c.rms_norm_eps), np.float32(D ** -0.5)
+        eps = np.float32(c.rms_norm_eps)
         rope_threads = min(1024, (c.num_heads + KVH) * D // 2)
+        tiles = shape.gemm_tiles()
         k.embedding_gather.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(self.embed), m["ids"], np.int32(H))
         has_delta = np.uintp(0)
         for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
             k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), has_delta, _ptr(layer["attn_norm"]),
                                               _ptr(b.h), m["all_rows"], np.int32(H), eps)
-            self._linear(b.qkv, b.h, layer["qkv"], T, H, c.q_size + 2 * c.kv_size)
+            self._linear(b.qkv, b.h, layer["qkv"], tiles, H, c.q_size + 2 * c.kv_size)
             k.rope_and_cache.prepared_async_call((T, 1), (rope_threads, 1, 1), st, _ptr(b.qkv), _ptr(kc), _ptr(vc),
                                                  m["positions"], m["slots"], _ptr(self.inv_freq),
                                                  np.int32(c.num_heads), np.int32(KVH), np.int32(D))
-            k.paged_attention_partial.prepared_async_call(
-                (T, KVH, P), (32 * (c.num_heads // KVH), 1, 1), st, _ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum),
-                _ptr(b.qkv), _ptr(kc), _ptr(vc), m["tables"], np.int32(shape.max_blocks), m["token_seq"], m["positions"],
-                np.int32(c.num_heads), np.int32(KVH), np.int32(self.block_size), np.int32(PARTITION), scale)
-            k.paged_attention_merge.prepared_async_call((T, c.num_heads), (D, 1, 1), st, _ptr(b.attn), _ptr(b.part_acc),
-                                                        _ptr(b.part_max), _ptr(b.part_sum), np.int32(P))
-            self._linear(b.delta, b.attn, layer["o"], T, c.q_size, H)
+            self._attention(b, shape, kc, vc)
+            self._linear(b.delta, b.attn, layer["o"], tiles, c.q_size, H)
             k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(b.delta), _ptr(layer["mlp_norm"]),
                                               _ptr(b.h), m["all_rows"], np.int32(H), eps)
-            self._linear(b.gate_up, b.h, layer["gate_up"], T, H, 2 * I)
+            self._linear(b.gate_up, b.h, layer["gate_up"], tiles, H, 2 * I)
             k.silu_and_mul.prepared_async_call(((I + 255) // 256, T), (256, 1, 1), st, _ptr(b.act), _ptr(b.gate_up), np.int32(I))
-            self._linear(b.delta, b.act, layer["down"], T, I, H)
+            self._linear(b.delta, b.act, layer["down"], tiles, I, H)
             has_delta = _ptr(b.delta)
         if S:
             k.add_rmsnorm.prepared_async_call((S, 1), (256, 1, 1), st, _ptr(b.residual), has_delta, _ptr(self.final_norm),
                                               _ptr(b.final), m["sample_rows"], np.int32(H), eps)
-            self._linear(b.logits, b.final, self.lm_head, S, H, c.vocab_size)
+            head_tiles = [(r, GENERATED_TILE) for r in range(0, S, GENERATED_TILE)]
+            self._linear(b.logits, b.final, self.lm_head, head_tiles, H, c.vocab_size)
+
+    def _attention(self, b: StepBuffers, shape: StepShape, kc: gpuarray.GPUArray, vc: gpuarray.GPUArray) -> None:
+        """Decode rows through the split-context decode kernel, prompt rows through the
+        prefill kernel (see step_metadata)."""
+        c, k, st, m = self.config, self.kernels, self.stream, b.meta_ptr
+        heads, kv_heads, block_size = np.int32(c.num_heads), np.int32(c.num_kv_heads), np.int32(self.block_size)
+        scale = np.float32(c.head_dim ** -0.5)
+        if shape.generated:
+            k.paged_attention_partial.prepared_async_call(
+                (shape.generated, c.num_kv_heads, shape.partitions), (ATTENTION_THREADS, 1, 1), st,
+                _ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum), _ptr(b.qkv), _ptr(kc), _ptr(vc),
+                m["tables"], np.int32(shape.max_blocks), m["token_seq"], m["positions"],
+                heads, kv_heads, block_size, np.int32(PARTITION), scale)
+            k.paged_attention_merge.prepared_async_call((shape.generated, c.num_heads), (c.head_dim, 1, 1), st, _ptr(b.attn),
+                                                        _ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum),
+                                                        np.int32(shape.partitions))
+        if shape.prompt_tiles:
+            k.prefill_attention.prepared_async_call(
+                (shape.prompt_tiles, c.num_kv_heads), (PREFILL_THREADS, 1, 1), st, _ptr(b.attn), _ptr(b.qkv), _ptr(kc), _ptr(vc),
+                m["tables"], np.int32(shape.max_blocks), m["token_seq"], m["positions"], m["prompt_tiles"],
+                heads, kv_heads, block_size, scale)
 
     def _forward(self, batch: list[ScheduledSeq]) -> gpuarray.GPUArray:
         """Run the step's tokens; return float32 logits [sampling sequences, vocab] on the GPU."""
@@ -282,7 +309,7 @@ class CudaBackend:
             buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
             replay.launch()
             return buffers.logits[: len(batch)]
-        shape = step_shape(batch, PARTITION)
+        shape = step_shape(batch, PARTITION, self.query_rows)
         buffers = StepBuffers(self.config, shape, self._empty)
         buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
         self._launch(buffers, shape)
@@ -290,12 +317,14 @@ class CudaBackend:
         # ordered after the kernels that use them)
         return buffers.logits[: shape.samples]
 
-    def _linear(self, y: gpuarray.GPUArray, x: gpuarray.GPUArray, w: gpuarray.GPUArray, tokens: int, d_in: int, d_out: int) -> None:
-        """y = x @ w^T over GEMM_ROWS-row tiles covering `tokens` (see GEMM_ROWS)."""
+    def _linear(self, y: gpuarray.GPUArray, x: gpuarray.GPUArray, w: gpuarray.GPUArray, tiles: list[tuple[int, int]],
+                d_in: int, d_out: int) -> None:
+        """y = x @ w^T, one GEMM per (first row, rows) tile: fixed shapes keep the
+        result of each row independent of the batch (see step_metadata)."""
         out_f32 = y.dtype == np.float32
         y_row, x_row = d_out * y.dtype.itemsize, d_in * 2
-        for r in range(0, tokens, GEMM_ROWS):
-            self.blas.linear(int(y.gpudata) + r * y_row, int(x.gpudata) + r * x_row, int(w.gpudata), GEMM_ROWS, d_in, d_out, out_f32)
+        for r, rows in tiles:
+            self.blas.linear(int(y.gpudata) + r * y_row, int(x.gpudata) + r * x_row, int(w.gpudata), rows, d_in, d_out, out_f32)
 
     def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
         """Logits of the sampling sequences, on the host (for tests and logprobs)."""
@@ -324,15 +353,19 @@ class CudaBackend:
             raw = {i: log_softmax(host[i].astype(np.float64)) for i in wants}
         self._apply_penalties(logits, seqs)
         p = [q.params for q in seqs]
-        args = [
-            self._upload([x.temperature for x in p], np.float32), self._upload([x.top_p for x in p], np.float32),
-            self._upload([x.top_k for x in p], np.int32), self._upload([x.min_p for x in p], np.float32),
-            self._upload([q.seed & 0xFFFFFFFF for q in seqs], np.uint32), self._upload([(q.seed >> 32) & 0xFFFFFFFF for q in seqs], np.uint32),
-            self._upload([len(q.output_ids) for q in seqs], np.int32),
-        ]
+        fields = np.stack([  # one upload: the kernel's seven per-request arrays, row by row
+            np.array([x.temperature for x in p], np.float32).view(np.int32),
+            np.array([x.top_p for x in p], np.float32).view(np.int32),
+            np.array([x.top_k for x in p], np.int32),
+            np.array([x.min_p for x in p], np.float32).view(np.int32),
+            np.array([q.seed & 0xFFFFFFFF for q in seqs], np.uint32).view(np.int32),
+            np.array([(q.seed >> 32) & 0xFFFFFFFF for q in seqs], np.uint32).view(np.int32),
+            np.array([len(q.output_ids) for q in seqs], np.int32),
+        ])
+        uploaded = self._upload(fields, np.int32)
+        args = [np.uintp(int(uploaded.gpudata) + 4 * S * i) for i in range(len(fields))]
         out = self._empty((S,), np.int32)
-        self.kernels.sample_tokens.prepared_async_call((S, 1), (1024, 1, 1), st, _ptr(out), _ptr(logits), np.int32(V),
-                                                       *[_ptr(a) for a in args])
+        self.kernels.sample_tokens.prepared_async_call((S, 1), (1024, 1, 1), st, _ptr(out), _ptr(logits), np.int32(V), *args)
         tokens = out.get(stream=st)
         st.synchronize()
         results = []

@@ -1,6 +1,20 @@
 """What a GPU step needs to know about its batch, as one int32 array (pure numpy, so it
 is tested without a GPU): token ids, positions, KV-cache slots, the sequence of each
-token, row indices, the rows that reach the head, and the block tables."""
+row, row indices, the rows that reach the head, and the block tables.
+
+Rows are laid out for batch-invariant GEMMs. cuBLAS picks its algorithm by shape, so
+every GEMM runs over tiles of a fixed number of rows, and a row's result depends only
+on its tile size, never on the other rows. Tokens the model generated (decode) come
+first, in tiles of GENERATED_TILE rows; prompt tokens (prefill) follow in tiles of
+PROMPT_TILE rows, so that a long prompt reads the weights once per PROMPT_TILE tokens
+instead of once per GENERATED_TILE. A token's class depends on its position only,
+so it is computed the same way alone, batched or recomputed after preemption. Rows
+that pad a tile are dummy tokens that read and write only the dummy KV block.
+
+Attention follows the same classes: generated rows go through the decode kernel
+(paged_attention_partial), prompt rows through prefill_attention, in query tiles of up
+to `query_rows` consecutive rows of one sequence.
+"""
 
 from __future__ import annotations
 
@@ -11,27 +25,70 @@ import numpy as np
 
 from engine.scheduler import ScheduledSeq
 
+GENERATED_TILE = 64  # at 64 rows a bf16 GEMM is still bound by reading the weights
+PROMPT_TILE = 256
+
 
 @dataclass(frozen=True)
 class StepShape:
-    tokens: int  # rows the kernels run over
+    generated: int  # generated tokens: rows 0.. of the decode kernel
+    generated_rows: int  # the generated segment, a multiple of GENERATED_TILE
+    prompt: int  # prompt tokens: rows generated_rows..
+    prompt_tiles: int  # prefill attention query tiles
     samples: int  # rows that reach the head (the last token of each finishing sequence)
     seqs: int  # block-table rows
     max_blocks: int  # block-table width
-    partitions: int  # attention partitions
+    partitions: int  # decode attention partitions
+
+    @property
+    def tokens(self) -> int:
+        """Rows the per-token kernels run over (the padding between the segments included)."""
+        return self.generated_rows + self.prompt if self.prompt else self.generated
+
+    @property
+    def rows(self) -> int:
+        """Rows of the activation buffers: whole GEMM tiles."""
+        return self.generated_rows + _round_up(self.prompt, PROMPT_TILE)
+
+    def gemm_tiles(self) -> list[tuple[int, int]]:
+        """(first row, rows) of each GEMM tile."""
+        return ([(r, GENERATED_TILE) for r in range(0, self.generated_rows, GENERATED_TILE)]
+                + [(r, PROMPT_TILE) for r in range(self.generated_rows, self.rows, PROMPT_TILE)])
 
 
-FIELDS = ("ids", "positions", "slots", "token_seq", "all_rows", "sample_rows", "tables")
+FIELDS = ("ids", "positions", "slots", "token_seq", "all_rows", "sample_rows", "tables", "prompt_tiles")
 
 
 def field_sizes(shape: StepShape) -> list[int]:
     t = shape.tokens
-    return [t, t, t, t, t, shape.samples, shape.seqs * shape.max_blocks]
+    return [t, t, t, t, t, shape.samples, shape.seqs * shape.max_blocks, 2 * shape.prompt_tiles]
 
 
-def step_shape(batch: list[ScheduledSeq], partition: int) -> StepShape:
+def _round_up(n: int, tile: int) -> int:
+    return -(-n // tile) * tile
+
+
+def _generated_mask(batch: list[ScheduledSeq]) -> np.ndarray:
+    """For each token of the batch, in order: is it a generated (not a prompt) token?"""
+    counts = np.array([s.num_tokens for s in batch], dtype=np.int64)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    starts = np.repeat([s.start for s in batch], counts)
+    return starts + offsets >= np.repeat([len(s.seq.prompt_ids) for s in batch], counts)
+
+
+def _prompt_counts(batch: list[ScheduledSeq]) -> np.ndarray:
+    """Prompt tokens of each scheduled sequence in this step."""
+    return np.array([max(0, min(s.start + s.num_tokens, len(s.seq.prompt_ids)) - s.start) for s in batch], np.int64)
+
+
+def step_shape(batch: list[ScheduledSeq], partition: int, query_rows: int) -> StepShape:
+    prompt = _prompt_counts(batch)
+    generated = sum(s.num_tokens for s in batch) - int(prompt.sum())
     return StepShape(
-        tokens=sum(s.num_tokens for s in batch),
+        generated=generated,
+        generated_rows=_round_up(generated, GENERATED_TILE),
+        prompt=int(prompt.sum()),
+        prompt_tiles=int((-(-prompt // query_rows)).sum()),
         samples=sum(s.samples for s in batch),
         seqs=len(batch),
         max_blocks=max(len(s.seq.block_table) for s in batch),
@@ -39,25 +96,40 @@ def step_shape(batch: list[ScheduledSeq], partition: int) -> StepShape:
     )
 
 
-def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int, dummy_block: int) -> np.ndarray:
-    """The fields of FIELDS, concatenated. Rows past the batch (a graph's padding) read
-    and write only `dummy_block`, and sample themselves."""
+def decode_shape(batch_size: int, max_blocks: int, partitions: int) -> StepShape:
+    """The shape of a CUDA graph's decode step: `batch_size` sampling decodes."""
+    return StepShape(generated=batch_size, generated_rows=_round_up(batch_size, GENERATED_TILE), prompt=0,
+                     prompt_tiles=0, samples=batch_size, seqs=batch_size, max_blocks=max_blocks, partitions=partitions)
+
+
+def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int, dummy_block: int,
+                   query_rows: int) -> np.ndarray:
+    """The fields of FIELDS, concatenated. Padding rows (and rows past the batch, in a
+    graph) read and write only `dummy_block`; samples past the batch sample padding rows."""
     T, bs = shape.tokens, block_size
     counts = np.array([s.num_tokens for s in batch], dtype=np.int64)
     real = int(counts.sum())
     ends = np.cumsum(counts)
-    seq_of_row = np.repeat(np.arange(len(batch)), counts)
-    positions = np.zeros(T, np.int64)
-    positions[:real] = np.repeat([s.start for s in batch], counts) + np.arange(real) - np.repeat(ends - counts, counts)
-    ids = np.zeros(T, np.int64)
-    ids[:real] = [t for s in batch for t in s.seq.tokens(s.start, s.start + s.num_tokens)]
+    seq_of_token = np.repeat(np.arange(len(batch)), counts)
+    positions = np.repeat(np.array([s.start for s in batch], np.int64), counts) + np.arange(real) - np.repeat(ends - counts, counts)
     tables = np.full((shape.seqs, shape.max_blocks), dummy_block, np.int64)
     for i, s in enumerate(batch):
         tables[i, : len(s.seq.block_table)] = s.seq.block_table
+    generated = _generated_mask(batch) if batch else np.zeros(0, bool)
+    row = np.where(generated, np.cumsum(generated) - 1, shape.generated_rows + np.cumsum(~generated) - 1)
+
+    ids, pos, slots = np.zeros(T, np.int64), np.zeros(T, np.int64), np.full(T, dummy_block * bs, np.int64)
     token_seq = np.arange(T) % shape.seqs
-    token_seq[:real] = seq_of_row
-    slots = np.full(T, dummy_block * bs, np.int64)
-    slots[:real] = tables[seq_of_row, positions[:real] // bs] * bs + positions[:real] % bs
-    sample_rows = (ends - 1)[[s.samples for s in batch]].tolist()
-    sample_rows += range(real, real + shape.samples - len(sample_rows))
-    return np.concatenate([ids, positions, slots, token_seq, np.arange(T), sample_rows, tables.ravel()]).astype(np.int32)
+    ids[row] = [t for s in batch for t in s.seq.tokens(s.start, s.start + s.num_tokens)]
+    pos[row] = positions
+    slots[row] = tables[seq_of_token, positions // bs] * bs + positions % bs
+    token_seq[row] = seq_of_token
+    sample_rows = row[(ends - 1)[np.array([s.samples for s in batch], bool)]].tolist()
+    padding = np.setdiff1d(np.arange(T), row)
+    sample_rows += padding[: shape.samples - len(sample_rows)].tolist()
+    prompt_counts = _prompt_counts(batch).tolist()
+    first_rows = (shape.generated_rows + np.cumsum([0] + prompt_counts[:-1])).tolist() if batch else []
+    tiles = [(r, min(query_rows, start + n - r))
+             for start, n in zip(first_rows, prompt_counts) for r in range(start, start + n, query_rows)]
+    return np.concatenate([ids, pos, slots, token_seq, np.arange(T), sample_rows, tables.ravel(),
+                           np.ravel(tiles)]).astype(np.int32)

@@ -6,6 +6,8 @@ kernel fails to write shows up; relative L2 error under 1e-2 (bfloat16 storage).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -17,7 +19,9 @@ import pycuda.gpuarray as gpuarray  # noqa: E402
 
 from engine.backends import numpy_backend as ref  # noqa: E402
 from engine.backends.cublas import Cublas  # noqa: E402
-from engine.backends.cuda_backend import PARTITION, Kernels  # noqa: E402
+from engine.backends.cuda_backend import (  # noqa: E402
+    ATTENTION_THREADS, PARTITION, PREFILL_THREADS, Kernels, prefill_query_rows,
+)
 from engine.sampler import apply_penalties  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.weights import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
@@ -27,12 +31,18 @@ RNG = np.random.default_rng()
 TOL = 1e-2
 
 
-@pytest.fixture(scope="module")
-def kernels(cuda_context):
+@functools.cache
+def kernels_for(group: int) -> Kernels:
+    """The kernels compiled for head_dim 64 and `group` query heads per KV head."""
     import pycuda.driver as cuda
 
     major, minor = cuda.Context.get_device().compute_capability()
-    return Kernels(64, f"sm_{major}{minor}")
+    return Kernels(64, group, f"sm_{major}{minor}")
+
+
+@pytest.fixture(scope="module")
+def kernels(cuda_context):
+    return kernels_for(4)
 
 
 def up_bf16(x: np.ndarray) -> gpuarray.GPUArray:
@@ -109,14 +119,16 @@ def test_rope_and_cache(kernels, heads, kv_heads):
     assert np.isnan(k_got[untouched]).all(), "wrote outside the slot mapping"
 
 
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
 @pytest.mark.parametrize("heads, kv_heads", [(32, 8), (9, 3)])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_paged_attention(kernels, heads, kv_heads, block_size):
+def test_paged_attention(cuda_context, kernel, heads, kv_heads, block_size):
     """Decode tokens and prefill chunks of several sequences in one launch, over
-    lengths that are not multiples of the block size and past one partition."""
+    lengths that are not multiples of the block size and past one partition, through
+    the decode kernel (split context, merged) and through the prefill kernel (query tiles)."""
     D = 64
     # (context before this step, tokens in this step): decode, chunked prefill, full prefill, long decode
-    seqs = [(37, 1), (20, 13), (0, 45), (PARTITION * 2 + 77, 1), (PARTITION - 1, 3)]
+    seqs = [(37, 1), (20, 13), (0, 45), (PARTITION * 2 + 77, 1), (PARTITION - 1, 3), (0, 300)]
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 4
     slots_total = num_blocks * block_size
     k_cache = RNG.standard_normal((slots_total, kv_heads, D)).astype(np.float32)
@@ -128,20 +140,29 @@ def test_paged_attention(kernels, heads, kv_heads, block_size):
     qkv = RNG.standard_normal((tokens, (heads + 2 * kv_heads) * D)).astype(np.float32)
     token_seq = np.concatenate([[i] * n for i, (_, n) in enumerate(seqs)])
     positions = np.concatenate([np.arange(c, c + n) for c, n in seqs])
-    partitions = -(-max(c + n for c, n in seqs) // PARTITION)
-    part_acc = gpuarray.to_gpu(np.full((tokens, heads, partitions, D), np.nan, np.float32))
-    part_max = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
-    part_sum = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
     out = poisoned_bf16((tokens, heads * D))
     table_arr = np.zeros((len(seqs), max_blocks), np.int32)
     for i, t in enumerate(tables):
         table_arr[i, : len(t)] = t
     kc, vc, qkv_gpu = up_bf16(k_cache), up_bf16(v_cache), up_bf16(qkv)
-    scale = D ** -0.5
-    launch(kernels.paged_attention_partial, (tokens, kv_heads, partitions), (32 * (heads // kv_heads), 1, 1),
-           part_acc, part_max, part_sum, qkv_gpu, kc, vc, i32(table_arr), np.int32(max_blocks), i32(token_seq),
-           i32(positions), np.int32(heads), np.int32(kv_heads), np.int32(block_size), np.int32(PARTITION), np.float32(scale))
-    launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, np.int32(partitions))
+    scale = np.float32(D ** -0.5)
+    kernels = kernels_for(heads // kv_heads)
+    common = (kc, vc, i32(table_arr), np.int32(max_blocks), i32(token_seq), i32(positions))
+    if kernel == "decode":
+        partitions = -(-max(c + n for c, n in seqs) // PARTITION)
+        part_acc = gpuarray.to_gpu(np.full((tokens, heads, partitions, D), np.nan, np.float32))
+        part_max = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
+        part_sum = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
+        launch(kernels.paged_attention_partial, (tokens, kv_heads, partitions), (ATTENTION_THREADS, 1, 1),
+               part_acc, part_max, part_sum, qkv_gpu, *common,
+               np.int32(heads), np.int32(kv_heads), np.int32(block_size), np.int32(PARTITION), scale)
+        launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, np.int32(partitions))
+    else:
+        rows = prefill_query_rows(D, heads // kv_heads)
+        starts = np.cumsum([0] + [n for _, n in seqs])
+        tiles = [(r, min(rows, end - r)) for start, end in zip(starts, starts[1:]) for r in range(start, end, rows)]
+        launch(kernels.prefill_attention, (len(tiles), kv_heads), (PREFILL_THREADS, 1, 1), out, qkv_gpu, *common,
+               i32(np.ravel(tiles)), np.int32(heads), np.int32(kv_heads), np.int32(block_size), scale)
     got = down_bf16(out)
     q = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     start = 0
