@@ -197,14 +197,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     }
 }
 
-// Causal attention for prompt tokens (prefill), the same function as above, computed
-// with K/V shared through shared memory by a tile of up to Q_ROWS query rows of one
-// sequence at consecutive positions. grid: (query tiles, kv_heads); block:
-// Q_ROWS * GROUP * SPLIT threads, one per (query row, query head, slice of DIMS dims).
-// Every thread keeps its own online softmax; K/V tiles are visited from position 0 in
-// the same order whatever the query tile, so a row's result does not depend on the
-// batch. tiles[i] = (first row, rows) of query tile i. Threads past Q_ROWS * GROUP *
-// SPLIT (when that falls short of PREFILL_THREADS) shadow the last row and write nothing.
+// Pass 1 for prompt tokens (prefill): the same partial results as
+// paged_attention_partial, computed with K/V shared through shared memory by a tile of
+// up to Q_ROWS query rows of one sequence at consecutive positions. grid: (query tiles,
+// kv_heads, partitions); block: PREFILL_THREADS, one thread per (query row, query head,
+// slice of DIMS dims). Every thread keeps its own online softmax over the partition's
+// positions, visited in the same order whatever the query tile, so a row's result does
+// not depend on the batch. tiles[i] = (first row, rows) of query tile i. Threads past
+// Q_ROWS * GROUP * SPLIT shadow the tile's last row and write nothing.
 #define PREFILL_THREADS 128
 #define DIMS 64                      // dims per thread
 #define SPLIT (HEAD_DIM / DIMS)      // threads per (query row, head)
@@ -212,17 +212,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 #define KV_TILE 32
 #define CHUNK 8                      // positions scored before one softmax rescale
 
-extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention(
-    bf16* __restrict__ out,           // [rows, heads * HEAD_DIM]
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_partial(
+    float* __restrict__ part_acc, float* __restrict__ part_max, float* __restrict__ part_sum,  // as above
     const bf16* __restrict__ qkv, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ token_seq,
     const int* __restrict__ positions, const int* __restrict__ tiles,
-    int heads, int kv_heads, int block_size, float scale) {
+    int heads, int kv_heads, int block_size, int partition, float scale) {
     __shared__ float k_s[KV_TILE][HEAD_DIM], v_s[KV_TILE][HEAD_DIM];
-    const int kvh = blockIdx.y, first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
+    const int kvh = blockIdx.y, part = blockIdx.z, first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
     const int slice = threadIdx.x % SPLIT, g = threadIdx.x / SPLIT % GROUP, r = threadIdx.x / (SPLIT * GROUP);
     const int row = first + min(r, rows - 1);  // threads past the tile shadow its last row
-    const int pos = positions[row], last = positions[first + rows - 1];
+    const int pos = positions[row];
+    const int begin = part * partition, end = min(positions[first + rows - 1] + 1, begin + partition);
     const int* table = block_tables + (size_t)token_seq[first] * max_blocks;
     const int h = kvh * GROUP + g, d0 = slice * DIMS;
     const size_t width = (size_t)(heads + 2 * kv_heads) * HEAD_DIM;
@@ -235,11 +236,11 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention(
         q[i] *= scale;
         acc[i] = 0.f;
     }
-    for (int tile = 0; tile <= last; tile += KV_TILE) {
+    for (int tile = begin; tile < end; tile += KV_TILE) {
         __syncthreads();  // the previous tile is consumed
         for (int e = threadIdx.x; e < KV_TILE * HEAD_DIM / VEC; e += blockDim.x) {
             const int j = e / (HEAD_DIM / VEC), d = e % (HEAD_DIM / VEC) * VEC, p = tile + j;
-            if (p <= last) {
+            if (p < end) {
                 const size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
                 const size_t idx = (slot * kv_heads + kvh) * HEAD_DIM + d;
                 load_bf16x8(k_cache + idx, &k_s[j][d]);
@@ -250,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention(
             }
         }
         __syncthreads();
-        for (int c = 0; c < KV_TILE && tile + c <= last; c += CHUNK) {
+        for (int c = 0; c < KV_TILE && tile + c < end; c += CHUNK) {
             float score[CHUNK], m_new = m;
 #pragma unroll
             for (int j = 0; j < CHUNK; j++) {
@@ -259,7 +260,8 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention(
                 for (int i = 0; i < DIMS; i++) s += q[i] * k_s[c + j][d0 + i];
 #pragma unroll
                 for (int o = SPLIT / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-                score[j] = tile + c + j <= pos ? s : -INFINITY;  // causal (and the tile's end)
+                const int p = tile + c + j;
+                score[j] = p < end && p <= pos ? s : -INFINITY;  // the partition's end; causal
                 m_new = fmaxf(m_new, score[j]);
             }
             const float ref = m_new == -INFINITY ? 0.f : m_new;  // as in paged_attention_partial
@@ -278,9 +280,13 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention(
         }
     }
     if (r < rows) {
-        bf16* o = out + (size_t)row * heads * HEAD_DIM + (size_t)h * HEAD_DIM + d0;
+        const size_t part_idx = ((size_t)row * heads + h) * gridDim.z + part;
 #pragma unroll
-        for (int i = 0; i < DIMS; i++) o[i] = to_bf16(acc[i] / l);
+        for (int i = 0; i < DIMS; i++) part_acc[part_idx * HEAD_DIM + d0 + i] = acc[i];
+        if (slice == 0) {
+            part_max[part_idx] = m;  // -inf where the partition is past this row's position
+            part_sum[part_idx] = l;
+        }
     }
 }
 

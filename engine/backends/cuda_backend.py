@@ -32,7 +32,7 @@ from engine.weights import Weights, f32_to_bf16_bits
 
 log = logging.getLogger("llamastream.engine")
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
-PARTITION = 256  # context positions per attention thread block
+PARTITION = 512  # context positions per attention thread block
 ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS = 128  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
@@ -58,7 +58,7 @@ class Kernels:
         "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
         "paged_attention_partial": ("attention.cu", "PPPPPPPiPPiiiif"),
         "paged_attention_merge": ("attention.cu", "PPPPi"),
-        "prefill_attention": ("attention.cu", "PPPPPiPPPiiif"),
+        "prefill_attention_partial": ("attention.cu", "PPPPPPPiPPPiiiif"),
         "silu_and_mul": ("activation.cu", "PPi"),
         "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
         "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
@@ -81,7 +81,7 @@ class StepBuffers:
     """Device memory for one step of a given shape: int32 metadata, then activations."""
 
     def __init__(self, c: ModelConfig, shape: StepShape, empty):
-        T, S, P, G = shape.tokens, shape.samples, shape.partitions, shape.generated
+        T, S, P = shape.tokens, shape.samples, shape.partitions
         sizes = field_sizes(shape)
         self.meta = empty((sum(sizes),), np.int32)
         offsets = np.cumsum([0] + sizes)
@@ -94,9 +94,9 @@ class StepBuffers:
         self.delta = empty((rows, c.hidden_size), np.uint16)
         self.gate_up = empty((rows, 2 * c.intermediate_size), np.uint16)
         self.act = empty((rows, c.intermediate_size), np.uint16)
-        self.part_acc = empty((G, c.num_heads, P, c.head_dim), np.float32)
-        self.part_max = empty((G, c.num_heads, P), np.float32)
-        self.part_sum = empty((G, c.num_heads, P), np.float32)
+        self.part_acc = empty((T, c.num_heads, P, c.head_dim), np.float32)
+        self.part_max = empty((T, c.num_heads, P), np.float32)
+        self.part_sum = empty((T, c.num_heads, P), np.float32)
         self.final = empty((sample_rows, c.hidden_size), np.uint16)
         self.logits = empty((sample_rows, c.vocab_size), np.float32)
 
@@ -281,25 +281,24 @@ class CudaBackend:
             self._linear(b.logits, b.final, self.lm_head, head_tiles, H, c.vocab_size)
 
     def _attention(self, b: StepBuffers, shape: StepShape, kc: gpuarray.GPUArray, vc: gpuarray.GPUArray) -> None:
-        """Decode rows through the split-context decode kernel, prompt rows through the
-        prefill kernel (see step_metadata)."""
+        """Partial results per context partition, for decode rows (and the padding between
+        the segments) from the decode kernel and for prompt rows from the prefill kernel
+        (see step_metadata), then one merge over every row."""
         c, k, st, m = self.config, self.kernels, self.stream, b.meta_ptr
-        heads, kv_heads, block_size = np.int32(c.num_heads), np.int32(c.num_kv_heads), np.int32(self.block_size)
-        scale = np.float32(c.head_dim ** -0.5)
-        if shape.generated:
-            k.paged_attention_partial.prepared_async_call(
-                (shape.generated, c.num_kv_heads, shape.partitions), (ATTENTION_THREADS, 1, 1), st,
-                _ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum), _ptr(b.qkv), _ptr(kc), _ptr(vc),
-                m["tables"], np.int32(shape.max_blocks), m["token_seq"], m["positions"],
-                heads, kv_heads, block_size, np.int32(PARTITION), scale)
-            k.paged_attention_merge.prepared_async_call((shape.generated, c.num_heads), (c.head_dim, 1, 1), st, _ptr(b.attn),
-                                                        _ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum),
-                                                        np.int32(shape.partitions))
+        grid = (c.num_kv_heads, shape.partitions)
+        partials = (_ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum), _ptr(b.qkv), _ptr(kc), _ptr(vc),
+                    m["tables"], np.int32(shape.max_blocks), m["token_seq"], m["positions"])
+        sizes = (np.int32(c.num_heads), np.int32(c.num_kv_heads), np.int32(self.block_size), np.int32(PARTITION),
+                 np.float32(c.head_dim ** -0.5))
+        if shape.tokens > shape.prompt:
+            k.paged_attention_partial.prepared_async_call((shape.tokens - shape.prompt, *grid), (ATTENTION_THREADS, 1, 1), st,
+                                                          *partials, *sizes)
         if shape.prompt_tiles:
-            k.prefill_attention.prepared_async_call(
-                (shape.prompt_tiles, c.num_kv_heads), (PREFILL_THREADS, 1, 1), st, _ptr(b.attn), _ptr(b.qkv), _ptr(kc), _ptr(vc),
-                m["tables"], np.int32(shape.max_blocks), m["token_seq"], m["positions"], m["prompt_tiles"],
-                heads, kv_heads, block_size, scale)
+            k.prefill_attention_partial.prepared_async_call((shape.prompt_tiles, *grid), (PREFILL_THREADS, 1, 1), st,
+                                                            *partials, m["prompt_tiles"], *sizes)
+        k.paged_attention_merge.prepared_async_call((shape.tokens, c.num_heads), (c.head_dim, 1, 1), st, _ptr(b.attn),
+                                                    _ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum),
+                                                    np.int32(shape.partitions))
 
     def _forward(self, batch: list[ScheduledSeq]) -> gpuarray.GPUArray:
         """Run the step's tokens; return float32 logits [sampling sequences, vocab] on the GPU."""

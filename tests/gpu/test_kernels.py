@@ -128,7 +128,7 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, block_size):
     the decode kernel (split context, merged) and through the prefill kernel (query tiles)."""
     D = 64
     # (context before this step, tokens in this step): decode, chunked prefill, full prefill, long decode
-    seqs = [(37, 1), (20, 13), (0, 45), (PARTITION * 2 + 77, 1), (PARTITION - 1, 3), (0, 300)]
+    seqs = [(37, 1), (20, 13), (0, 45), (PARTITION * 2 + 77, 1), (PARTITION - 1, 3), (0, 300), (PARTITION - 100, 250)]
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 4
     slots_total = num_blocks * block_size
     k_cache = RNG.standard_normal((slots_total, kv_heads, D)).astype(np.float32)
@@ -147,22 +147,21 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, block_size):
     kc, vc, qkv_gpu = up_bf16(k_cache), up_bf16(v_cache), up_bf16(qkv)
     scale = np.float32(D ** -0.5)
     kernels = kernels_for(heads // kv_heads)
-    common = (kc, vc, i32(table_arr), np.int32(max_blocks), i32(token_seq), i32(positions))
+    partitions = -(-max(c + n for c, n in seqs) // PARTITION)
+    part_acc = gpuarray.to_gpu(np.full((tokens, heads, partitions, D), np.nan, np.float32))
+    part_max = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
+    part_sum = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
+    partials = (part_acc, part_max, part_sum, qkv_gpu, kc, vc, i32(table_arr), np.int32(max_blocks), i32(token_seq), i32(positions))
+    sizes = (np.int32(heads), np.int32(kv_heads), np.int32(block_size), np.int32(PARTITION), scale)
     if kernel == "decode":
-        partitions = -(-max(c + n for c, n in seqs) // PARTITION)
-        part_acc = gpuarray.to_gpu(np.full((tokens, heads, partitions, D), np.nan, np.float32))
-        part_max = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
-        part_sum = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
-        launch(kernels.paged_attention_partial, (tokens, kv_heads, partitions), (ATTENTION_THREADS, 1, 1),
-               part_acc, part_max, part_sum, qkv_gpu, *common,
-               np.int32(heads), np.int32(kv_heads), np.int32(block_size), np.int32(PARTITION), scale)
-        launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, np.int32(partitions))
+        launch(kernels.paged_attention_partial, (tokens, kv_heads, partitions), (ATTENTION_THREADS, 1, 1), *partials, *sizes)
     else:
         rows = prefill_query_rows(D, heads // kv_heads)
         starts = np.cumsum([0] + [n for _, n in seqs])
         tiles = [(r, min(rows, end - r)) for start, end in zip(starts, starts[1:]) for r in range(start, end, rows)]
-        launch(kernels.prefill_attention, (len(tiles), kv_heads), (PREFILL_THREADS, 1, 1), out, qkv_gpu, *common,
-               i32(np.ravel(tiles)), np.int32(heads), np.int32(kv_heads), np.int32(block_size), scale)
+        launch(kernels.prefill_attention_partial, (len(tiles), kv_heads, partitions), (PREFILL_THREADS, 1, 1), *partials,
+               i32(np.ravel(tiles)), *sizes)
+    launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, np.int32(partitions))
     got = down_bf16(out)
     q = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     start = 0
