@@ -1,8 +1,9 @@
 """Where the time of one CUDA engine step goes, kernel by kernel (CUDA events around
 every launch and GEMM of an eager step): a 1024-token prefill, a decode step at batch 1
 with a 200-token context and one at batch 256 with ~850-token contexts; then, with CUDA
-graphs, the wall time of a batch-1 engine step beside the GPU time of its graph replay.
-Llama 3.2 1B shape, bfloat16, random weights.
+graphs, the wall time of a batch-1 engine step beside the GPU time of its graph replay;
+and the bandwidth cuBLAS reaches on each weight matrix at 1 to 256 rows. Llama 3.2 1B
+shape, bfloat16, random weights.
 
     python bench/profile_step.py      # on a machine with an NVIDIA GPU
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pycuda.driver as cuda
+import pycuda.gpuarray as gpuarray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -97,12 +99,44 @@ def graph_step_times(model) -> None:
           f"of which the forward replay is {np.median(gpus):.3f} ms of GPU time")
 
 
+def gemm_table(backend: CudaBackend) -> None:
+    """Time of one GEMM per weight matrix and row count, and the weight bytes it reads per second."""
+    c = backend.config
+    matrices = {"qkv": (backend.layers[0]["qkv"], c.hidden_size), "o": (backend.layers[0]["o"], c.q_size),
+                "gate_up": (backend.layers[0]["gate_up"], c.hidden_size), "down": (backend.layers[0]["down"], c.intermediate_size),
+                "lm_head": (backend.lm_head, c.hidden_size)}
+    print("\ncuBLAS GEMM, microseconds (weight TB/s)")
+    print(f"{'rows':>5} | " + " | ".join(f"{name:>16}" for name in matrices))
+    with backend._context():
+        x = gpuarray.zeros((256, c.intermediate_size), np.uint16)
+        y = gpuarray.zeros((256, c.vocab_size), np.float32)
+        for rows in (1, 8, 16, 64, 128, 256):
+            cells = []
+            for name, (w, d_in) in matrices.items():
+                d_out = w.size // d_in
+
+                def gemm():
+                    backend.blas.linear(int(y.gpudata), int(x.gpudata), int(w.gpudata), rows, d_in, d_out, name == "lm_head")
+                for _ in range(3):
+                    gemm()
+                start, end = cuda.Event(), cuda.Event()
+                start.record(backend.stream)
+                for _ in range(20):
+                    gemm()
+                end.record(backend.stream)
+                end.synchronize()
+                ms = end.time_since(start) / 20
+                cells.append(f"{ms * 1e3:7.1f} ({w.nbytes / ms / 1e9:4.2f})")
+            print(f"{rows:>5} | " + " | ".join(f"{cell:>16}" for cell in cells))
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp), LLAMA_32_1B, seed=0)
         model = load_model(tmp)
     graph_step_times(model)
     backend = CudaBackend(model.config, model.weights, cuda_graphs=False)
+    gemm_table(backend)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192))
     timer = Timer(backend)
     rng = np.random.default_rng(0)

@@ -11,13 +11,17 @@ import logging
 import queue
 import threading
 import traceback
-from typing import Callable
+from typing import Callable, Protocol
 
 from engine.llm_engine import LLMEngine
 from engine.output import RequestOutput
 from engine.sequence import Sequence
 
 log = logging.getLogger("llamastream.engine")
+
+
+class OutputSink(Protocol):
+    def put(self, out: RequestOutput) -> None: ...
 
 
 class DuplicateRequest(ValueError):
@@ -29,7 +33,7 @@ class EngineLoop:
         self.engine = engine
         self.on_fatal = on_fatal
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._outputs: dict[str, queue.SimpleQueue] = {}
+        self._outputs: dict[str, OutputSink] = {}
         self._lock = threading.Lock()  # guards _outputs against the RPC threads
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -47,9 +51,10 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.fatal_error is None
 
-    def submit(self, seq: Sequence) -> queue.SimpleQueue:
-        """Queue a validated sequence; returns the queue its RequestOutputs arrive on."""
-        out: queue.SimpleQueue = queue.SimpleQueue()
+    def submit(self, seq: Sequence, out: OutputSink | None = None) -> OutputSink:
+        """Queue a validated sequence; its RequestOutputs are put to `out` (by default a
+        new queue.SimpleQueue), which is returned."""
+        out = queue.SimpleQueue() if out is None else out
         with self._lock:
             if seq.request_id in self._outputs:
                 raise DuplicateRequest(f"request_id {seq.request_id!r} is already in flight: use a unique id")
@@ -81,11 +86,11 @@ class EngineLoop:
                 error = f"engine fault: {type(e).__name__}: {e}"
                 outputs = self.engine.fail_step(error)
                 if getattr(self.engine.backend, "is_fatal", lambda _: False)(e):
-                    # ...unless the device may be unusable: fail everything and stop.
+                    # ...unless the device may be unusable: stop serving, fail everything, stop.
                     self.fatal_error = error
-                    self._dispatch(outputs + self.engine.fail_all(error))
                     if self.on_fatal:
                         self.on_fatal(error)
+                    self._dispatch(outputs + self.engine.fail_all(error))
                     return
             self._dispatch(outputs)
 

@@ -1,12 +1,17 @@
-"""Build and run the server: load the model, start the engine thread, serve, drain."""
+"""Build and run the server: load the model, start the engine thread, serve, drain.
+
+Three threads: the engine's (EngineLoop: every step, the only one touching the
+backend), the asyncio loop's (grpc.aio: every RPC, however many streams), and the
+caller's (start, wait for a signal, drain).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
@@ -21,6 +26,7 @@ from engine.sampling_params import SamplingParams
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server.servicer import GenerationServicer
+from server.streams import OutputHub
 
 log = logging.getLogger("llamastream.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -78,32 +84,42 @@ class Server:
                  model.name, backend.name, num_blocks, cfg.block_size, num_blocks * cfg.block_size, engine.max_model_len)
         self.loop = EngineLoop(engine, on_fatal=self._on_fatal)
         self.exit_code = 0
-        self.servicer = GenerationServicer(self.loop, backend.name, cfg.max_num_seqs + cfg.max_waiting)
-        self.health = health.HealthServicer()
-        # One thread per open stream: room for every request the engine may hold, plus unary calls.
-        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_num_seqs + cfg.max_waiting + 16))
+        self._stop = threading.Event()
+        self.aio = asyncio.new_event_loop()
+        self._aio_thread = threading.Thread(target=self.aio.run_forever, name="grpc", daemon=True)
+        self._aio_thread.start()
+        self.servicer = GenerationServicer(self.loop, OutputHub(self.aio), backend.name, cfg.max_num_seqs + cfg.max_waiting)
+        self.health = health.aio.HealthServicer()
+        self.port = self._on_aio(self._listen())
+
+    def _on_aio(self, coroutine):
+        """Run a coroutine on the server's loop from another thread; wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.aio).result()
+
+    async def _listen(self) -> int:
+        self.grpc_server = grpc.aio.server()
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.grpc_server,
         )
-        self.port = self.grpc_server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: is the port in use?")
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._stop = threading.Event()
+        port = self.grpc_server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if port == 0:
+            raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}: is the port in use?")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        return port
 
-    def _set_health(self, status) -> None:
+    async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+            await self.health.set(name, status)
 
     def start(self) -> None:
         self.loop.start()
-        self.grpc_server.start()
+        self._on_aio(self.grpc_server.start())
         self._warm_up()
         self.servicer.accepting.set()
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._on_aio(self._set_health(health_pb2.HealthCheckResponse.SERVING))
         log.info("serving llamastream.v1.Generation on %s:%d", self.cfg.host, self.port)
 
     def _warm_up(self) -> None:
@@ -123,18 +139,20 @@ class Server:
         """
         log.info("draining: up to %.0f s for %d in-flight requests", self.cfg.grace, self.loop.num_in_flight())
         self.servicer.accepting.clear()
-        self.health.enter_graceful_shutdown()
+        self._on_aio(self.health.enter_graceful_shutdown())
         deadline = time.monotonic() + self.cfg.grace
         while self.loop.num_in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.grpc_server.stop(grace=1.0).wait()  # time to send the streams' last messages
+        self._on_aio(self.grpc_server.stop(grace=1.0))  # time to send the streams' last messages
         self.loop.stop()
+        self.aio.call_soon_threadsafe(self.aio.stop)
+        self._aio_thread.join(timeout=10)
         log.info("stopped")
 
     def _on_fatal(self, error: str) -> None:
         """The engine stopped on a device error: stop serving, exit non-zero for a supervisor to restart us."""
         log.critical("%s: the server stops", error)
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._on_aio(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
         self.exit_code = 1
         self._stop.set()
 

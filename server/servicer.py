@@ -1,8 +1,11 @@
-"""The Generation service: translates between the wire and the engine, nothing more."""
+"""The Generation service: translates between the wire and the engine, nothing more.
+
+Handlers run on the server's asyncio loop; the engine runs on its own thread
+(EngineLoop) and hands outputs over through an OutputHub.
+"""
 
 from __future__ import annotations
 
-import queue
 import threading
 import uuid
 
@@ -15,74 +18,75 @@ from engine.sequence import FinishReason
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server import protocol
+from server.streams import AsyncOutputs, OutputHub
+
+ENGINE_CHECK_S = 1.0  # how often a waiting stream checks that the engine still runs
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, loop: EngineLoop, backend_name: str, max_in_flight: int):
+    def __init__(self, loop: EngineLoop, hub: OutputHub, backend_name: str, max_in_flight: int):
         self.loop = loop
+        self.hub = hub
         self.engine = loop.engine
         self.tokenizer = loop.engine.tokenizer
         self.backend_name = backend_name
         self.max_in_flight = max_in_flight
         self.accepting = threading.Event()  # set once warmed up; cleared when draining
 
-    def _check_available(self, context: grpc.ServicerContext) -> None:
+    async def _check_available(self, context: grpc.aio.ServicerContext) -> None:
         if not self.accepting.is_set():
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading or draining: retry shortly, or another replica")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading or draining: retry shortly, or another replica")
         if not self.loop.alive:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has stopped: {self.loop.fatal_error or 'restart the server'}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has stopped: {self.loop.fatal_error or 'restart the server'}")
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
-        self._check_available(context)
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        await self._check_available(context)
         request_id = request.request_id or uuid.uuid4().hex
         try:
             ids = protocol.prompt_ids(request, self.tokenizer)
             seq = self.engine.make_sequence(request_id, ids, protocol.sampling_params(request))
         except InvalidRequest as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.loop.num_in_flight() >= self.max_in_flight:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.max_in_flight} requests are in flight, the most this server queues: retry with backoff")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.max_in_flight} requests are in flight, the most this server queues: retry with backoff")
+        outputs = self.hub.outputs()
         try:
-            outputs = self.loop.submit(seq)
+            self.loop.submit(seq, outputs)
         except DuplicateRequest as e:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        # Runs when the RPC ends for any reason: a cancel or deadline aborts the sequence.
-        context.add_callback(lambda: self.loop.abort(request_id))
-        yield pb.GenerateResponse(
-            request_id=request_id, started=pb.Started(prompt_tokens=len(ids), model=self.engine.model.name)
-        )
-        while True:
-            out = self._next_output(outputs, context)
-            if out.finish_reason is FinishReason.ERROR:
-                context.abort(grpc.StatusCode.INTERNAL, out.error or "engine fault")
-            yield from protocol.responses(out, self.tokenizer)
-            if out.finished:
-                return
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        finished = False
+        try:
+            yield pb.GenerateResponse(
+                request_id=request_id, started=pb.Started(prompt_tokens=len(ids), model=self.engine.model.name)
+            )
+            while not finished:
+                out = await self._next_output(outputs, context)
+                if out.finish_reason is FinishReason.ERROR:
+                    finished = True
+                    await context.abort(grpc.StatusCode.INTERNAL, out.error or "engine fault")
+                finished = out.finished
+                for response in protocol.responses(out, self.tokenizer):
+                    yield response
+        finally:  # a cancel, a deadline or a failed write ends the RPC early: free the sequence
+            if not finished:
+                self.loop.abort(request_id)
 
-    def _next_output(self, outputs: queue.SimpleQueue, context: grpc.ServicerContext) -> RequestOutput:
-        """The next event; if the client fell behind, everything queued since, as one."""
+    async def _next_output(self, outputs: AsyncOutputs, context: grpc.aio.ServicerContext) -> RequestOutput:
         while True:
             try:
-                out = outputs.get(timeout=1.0)
-                break
-            except queue.Empty:
+                return await outputs.get(timeout=ENGINE_CHECK_S)
+            except TimeoutError:
                 if not self.loop.alive:
-                    context.abort(grpc.StatusCode.INTERNAL, f"the engine stopped: {self.loop.fatal_error}")
-        while not out.finished:
-            try:
-                out.absorb(outputs.get_nowait())
-            except queue.Empty:
-                break
-        return out
+                    await context.abort(grpc.StatusCode.INTERNAL, f"the engine stopped: {self.loop.fatal_error}")
 
-    def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
             return protocol.tokenize(request, self.tokenizer)
         except InvalidRequest as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         e = self.engine
         return pb.ModelInfo(
             model=e.model.name,
@@ -95,5 +99,5 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             block_size=e.block_manager.block_size,
         )
 
-    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(aborted=sum(self.loop.abort(rid) for rid in set(request.request_ids)))
