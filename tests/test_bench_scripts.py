@@ -35,3 +35,12 @@ def test_paged_vs_contiguous_runs_both_schemes():
     paged, contiguous = rows["paged, 16-token blocks"], rows["contiguous, one 128-token slab"]
     assert paged[0] == contiguous[0]  # the same memory holds as many full-length sequences
     assert float(paged[1]) > float(contiguous[1])  # but paging runs more of them at once
+
+
+def test_server_overhead_compares_in_process_with_grpc():
+    out = subprocess.run(
+        [sys.executable, "bench/server_overhead.py", "--requests", "8", "--max-concurrency", "4", "--step-ms", "0.5"],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in out.splitlines() if "|" in line}
+    assert float(rows["in process"][0]) > 0 and float(rows["gRPC"][0]) > 0

@@ -1,0 +1,115 @@
+"""What the gRPC server costs on top of the engine, without a GPU: the offline workload
+(256 requests, prompt and output lengths uniform in 100..1024, ignore_eos) on a backend
+that spends --step-ms of wall time per step and no CPU, as a GPU does, run in process
+and then through the server under --max-concurrency streams.
+
+    python bench/server_overhead.py [--step-ms 10] [--max-concurrency 256]
+
+The ratio is the server's share of the in-process rate (issue target: 80% on the GPU).
+The model is the small test fixture; only its tokenizer and shape matter here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.serve import run_load  # noqa: E402
+from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.model_loader import load_model  # noqa: E402
+from engine.sampler import SampleOutput  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from tests.serving import free_port, wait_serving  # noqa: E402
+
+MODEL = ROOT / "tests" / "fixtures" / "tiny-llama"
+CONFIG = dict(num_kv_blocks=40000, max_num_seqs=256, max_num_batched_tokens=8192)
+
+
+class EmulatedBackend:
+    """Sleeps `step_ms` per step (the GIL released, as while a GPU computes) and samples
+    a token that depends only on the sequence's length."""
+
+    name = "emulated"
+
+    def __init__(self, step_ms: float):
+        self.step_s = step_ms / 1e3
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return 1
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        pass
+
+    def execute(self, batch):
+        time.sleep(self.step_s)
+        return [SampleOutput(s.seq.num_tokens % 200 + 10, None) if s.samples else None for s in batch]
+
+
+def workload(vocab: int, n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, rng.integers(100, 1025)).tolist() for _ in range(n)]
+    return prompts, rng.integers(100, 1025, n).tolist()
+
+
+def in_process(step_ms: float, prompts, outputs) -> float:
+    model = load_model(str(MODEL))
+    engine = LLMEngine(model, EmulatedBackend(step_ms), EngineConfig(**CONFIG))
+    for i, (ids, n) in enumerate(zip(prompts, outputs)):
+        engine.add(engine.make_sequence(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+    start, tokens = time.perf_counter(), 0
+    while engine.has_work():
+        tokens += sum(len(o.token_ids) for o in engine.step())
+    return tokens / (time.perf_counter() - start)
+
+
+def serve(step_ms: float, port: int) -> None:
+    """The server of `llamastream serve`, on the emulated backend (runs in a subprocess)."""
+    import server.app
+    from server.cli import main
+
+    server.app.create_backend = lambda *args, **kwargs: EmulatedBackend(step_ms)
+    sys.argv = ["llamastream", "serve", "--model", str(MODEL), "--host", "127.0.0.1", "--port", str(port),
+                "--max-num-seqs", str(CONFIG["max_num_seqs"]), "--max-num-batched-tokens", str(CONFIG["max_num_batched_tokens"]),
+                "--num-kv-blocks", str(CONFIG["num_kv_blocks"])]
+    sys.exit(main())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--step-ms", type=float, default=10.0, help="emulated GPU time per step")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--max-concurrency", type=int, default=256)
+    ap.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        return serve(args.step_ms, args.serve)
+    prompts, outputs = workload(load_model(str(MODEL)).config.vocab_size, args.requests)
+    local = in_process(args.step_ms, prompts, outputs)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--step-ms", str(args.step_ms)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_serving(f"127.0.0.1:{port}", proc=proc)
+        remote = asyncio.run(run_load(f"127.0.0.1:{port}", prompts, outputs, args.max_concurrency, float("inf"), 0))
+    finally:
+        proc.kill()
+        proc.wait()
+    rate = remote["output_tokens_per_s"]
+    print(f"emulated step {args.step_ms} ms, {args.requests} requests, {args.max_concurrency} concurrent streams")
+    print(f"{'path':<12} | {'output tok/s':>12} | {'share':>6} | {'TTFT p50/p99 ms':>16}")
+    print(f"{'in process':<12} | {local:12.0f} | {'100%':>6} |")
+    t = remote["ttft_ms"]
+    print(f"{'gRPC':<12} | {rate:12.0f} | {rate / local:6.0%} | {t['p50']:7.0f} {t['p99']:8.0f}")
+
+
+if __name__ == "__main__":
+    main()
