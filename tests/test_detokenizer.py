@@ -10,10 +10,11 @@ from engine.model_loader import load_model
 from tests.conftest import TINY_MODEL
 
 TOKENIZER = load_model(TINY_MODEL).tokenizer
+SMOLLM2 = load_model().tokenizer  # byte-level BPE with a 49k vocabulary
 
 
-def stream(ids: list[int], prompt: list[int]) -> list[str]:
-    d = IncrementalDetokenizer(TOKENIZER, prompt)
+def stream(ids: list[int], prompt: list[int], tokenizer=TOKENIZER) -> list[str]:
+    d = IncrementalDetokenizer(tokenizer, prompt)
     return [d.add(t) for t in ids] + [d.flush()]
 
 
@@ -33,3 +34,11 @@ def test_multibyte_characters_arrive_whole():
     assert "".join(pieces) == "東京 🦙 naïve"
     assert all("\ufffd" not in p for p in pieces)
     assert len([p for p in pieces if p]) < len(ids), "byte tokens of one character were held back together"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, SMOLLM2.vocab_size - 1), max_size=30),
+       st.lists(st.integers(0, SMOLLM2.vocab_size - 1), max_size=8))
+def test_random_prompts_and_tokens_of_a_real_tokenizer(ids, prompt):
+    """Prompts may end inside a character: none of it leaks into the generated text."""
+    assert "".join(stream(ids, prompt, SMOLLM2)) == SMOLLM2.decode(ids)
