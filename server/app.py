@@ -25,6 +25,7 @@ from engine.model_loader import load_model
 from engine.sampling_params import SamplingParams
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
+from server.interceptors import OPEN_SERVICES, BearerTokenAuth, RejectMalformed
 from server.servicer import GenerationServicer
 from server.streams import OutputHub
 
@@ -48,6 +49,39 @@ class ServerConfig:
     max_model_len: int | None = None
     max_waiting: int = 256
     grace: float = 30.0
+    max_stream_backlog: int = 4096  # tokens a stream may fall behind before it is ended
+    max_message_bytes: int = 4 * 2**20
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # mutual TLS: client certificates must chain to it
+    auth_token_file: str | None = None
+    auth_health_and_reflection: bool = False  # the token is needed for those too
+    log_prompts: bool = False
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        return open(path, "rb").read()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from e
+
+
+def _server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS from --tls-cert/--tls-key, mutual when --tls-client-ca is given; None: plaintext."""
+    if not (cfg.tls_cert or cfg.tls_key or cfg.tls_client_ca):
+        return None
+    if not (cfg.tls_cert and cfg.tls_key):
+        raise ValueError("TLS needs both --tls-cert and --tls-key (PEM files)")
+    pair = (_read(cfg.tls_key, "--tls-key"), _read(cfg.tls_cert, "--tls-cert"))
+    client_ca = _read(cfg.tls_client_ca, "--tls-client-ca") if cfg.tls_client_ca else None
+    return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
+def _read_token(path: str) -> str:
+    token = _read(path, "--auth-token-file").decode().strip()
+    if not token:
+        raise ValueError(f"--auth-token-file: {path} is empty: put the bearer token in it")
+    return token
 
 
 class LoadingProgress:
@@ -88,7 +122,13 @@ class Server:
         self.aio = asyncio.new_event_loop()
         self._aio_thread = threading.Thread(target=self.aio.run_forever, name="grpc", daemon=True)
         self._aio_thread.start()
-        self.servicer = GenerationServicer(self.loop, OutputHub(self.aio), backend.name, cfg.max_num_seqs + cfg.max_waiting)
+        self.servicer = GenerationServicer(self.loop, OutputHub(self.aio, cfg.max_stream_backlog), backend.name,
+                                           cfg.max_num_seqs + cfg.max_waiting, log_prompts=cfg.log_prompts)
+        self._credentials = _server_credentials(cfg)
+        self._interceptors = [RejectMalformed()]
+        if cfg.auth_token_file:
+            self._interceptors.insert(0, BearerTokenAuth(_read_token(cfg.auth_token_file),
+                                                         () if cfg.auth_health_and_reflection else OPEN_SERVICES))
         self.health = health.aio.HealthServicer()
         self.port = self._on_aio(self._listen())
 
@@ -97,14 +137,20 @@ class Server:
         return asyncio.run_coroutine_threadsafe(coroutine, self.aio).result()
 
     async def _listen(self) -> int:
-        self.grpc_server = grpc.aio.server()
+        limits = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
+                  ("grpc.max_send_message_length", self.cfg.max_message_bytes)]
+        self.grpc_server = grpc.aio.server(interceptors=self._interceptors, options=limits)
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.grpc_server,
         )
-        port = self.grpc_server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        address = f"{self.cfg.host}:{self.cfg.port}"
+        if self._credentials is None:
+            port = self.grpc_server.add_insecure_port(address)
+        else:
+            port = self.grpc_server.add_secure_port(address, self._credentials)
         if port == 0:
             raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}: is the port in use?")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -120,7 +166,9 @@ class Server:
         self._warm_up()
         self.servicer.accepting.set()
         self._on_aio(self._set_health(health_pb2.HealthCheckResponse.SERVING))
-        log.info("serving llamastream.v1.Generation on %s:%d", self.cfg.host, self.port)
+        security = ("mutual TLS" if self.cfg.tls_client_ca else "TLS") if self.cfg.tls_cert else "plaintext"
+        log.info("serving llamastream.v1.Generation on %s:%d (%s%s)", self.cfg.host, self.port, security,
+                 ", bearer token" if self.cfg.auth_token_file else "")
 
     def _warm_up(self) -> None:
         """One short generation through the whole engine before health says SERVING."""

@@ -30,11 +30,22 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="launch every kernel from Python: no CUDA graphs for decode steps")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's, within the KV cache)")
     p.add_argument("--grace", type=float, default=d.grace, help="seconds in-flight streams get to finish on SIGTERM")
+    p.add_argument("--max-stream-backlog", type=int, default=d.max_stream_backlog,
+                   help="tokens a client may leave unread before its stream ends with RESOURCE_EXHAUSTED")
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="largest request or response message")
+    p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    p.add_argument("--auth-token-file", help="file holding a bearer token every call must carry ('authorization: Bearer <token>')")
+    p.add_argument("--auth-health-and-reflection", action="store_true",
+                   help="with --auth-token-file: require the token for health checks and reflection too")
+    p.add_argument("--log-prompts", action="store_true", help="log each request's prompt (never logged otherwise)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_model_len"):
+    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_model_len",
+                 "max_stream_backlog", "max_message_bytes"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "port" else 1):
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")

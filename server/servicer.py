@@ -6,6 +6,7 @@ Handlers run on the server's asyncio loop; the engine runs on its own thread
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 
@@ -18,19 +19,21 @@ from engine.sequence import FinishReason
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server import protocol
-from server.streams import AsyncOutputs, OutputHub
+from server.streams import AsyncOutputs, OutputHub, StreamBacklogExceeded
 
+log = logging.getLogger("llamastream.server")
 ENGINE_CHECK_S = 1.0  # how often a waiting stream checks that the engine still runs
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, loop: EngineLoop, hub: OutputHub, backend_name: str, max_in_flight: int):
+    def __init__(self, loop: EngineLoop, hub: OutputHub, backend_name: str, max_in_flight: int, log_prompts: bool = False):
         self.loop = loop
         self.hub = hub
         self.engine = loop.engine
         self.tokenizer = loop.engine.tokenizer
         self.backend_name = backend_name
         self.max_in_flight = max_in_flight
+        self.log_prompts = log_prompts  # prompts are never logged otherwise
         self.accepting = threading.Event()  # set once warmed up; cleared when draining
 
     async def _check_available(self, context: grpc.aio.ServicerContext) -> None:
@@ -50,7 +53,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if self.loop.num_in_flight() >= self.max_in_flight:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{self.max_in_flight} requests are in flight, the most this server queues: retry with backoff")
-        outputs = self.hub.outputs()
+        if self.log_prompts:
+            log.info("request %s prompt: %r", request_id, self.tokenizer.decode(ids))
+        outputs = self.hub.outputs(on_overflow=lambda: self.loop.abort(request_id))
         try:
             self.loop.submit(seq, outputs)
         except DuplicateRequest as e:
@@ -76,6 +81,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         while True:
             try:
                 return await outputs.get(timeout=ENGINE_CHECK_S)
+            except StreamBacklogExceeded as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"the client read too slowly: {e}; read the stream as it arrives "
+                                    "(the server's --max-stream-backlog sets the limit)")
             except TimeoutError:
                 if not self.loop.alive:
                     await context.abort(grpc.StatusCode.INTERNAL, f"the engine stopped: {self.loop.fatal_error}")

@@ -10,19 +10,26 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+from collections.abc import Callable
 
 from engine.output import RequestOutput
 
 
+class StreamBacklogExceeded(Exception):
+    """The client left more than the allowed number of tokens unread."""
+
+
 class OutputHub:
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_backlog: int):
         self._loop = loop
+        self.max_backlog = max_backlog
         self._lock = threading.Lock()
         self._pending: list[tuple[AsyncOutputs, RequestOutput]] = []
 
-    def outputs(self) -> AsyncOutputs:
-        """A new request's output queue (call on the loop)."""
-        return AsyncOutputs(self)
+    def outputs(self, on_overflow: Callable[[], None]) -> AsyncOutputs:
+        """A new request's output queue (call on the loop); `on_overflow` runs on the
+        loop if the reader leaves more than `max_backlog` tokens unread."""
+        return AsyncOutputs(self, on_overflow)
 
     def _post(self, outputs: AsyncOutputs, out: RequestOutput) -> None:  # the engine thread
         with self._lock:
@@ -41,26 +48,41 @@ class OutputHub:
 class AsyncOutputs:
     """One request's outputs. `put` is called by the engine thread; `get` is awaited on
     the loop and returns everything that arrived since the last get as one output, so a
-    reader that falls behind gets fewer, larger deltas and loses nothing."""
+    reader that falls behind gets fewer, larger deltas and loses nothing, up to the
+    hub's backlog limit: past it the queue is dropped and `on_overflow` called (to free
+    the request's engine resources at once), and `get` raises StreamBacklogExceeded."""
 
-    def __init__(self, hub: OutputHub):
+    def __init__(self, hub: OutputHub, on_overflow: Callable[[], None]):
         self._hub = hub
+        self._on_overflow = on_overflow
         self._items: collections.deque[RequestOutput] = collections.deque()
+        self._backlog = 0  # tokens queued
+        self._overflowed = False
         self._ready = asyncio.Event()
 
     def put(self, out: RequestOutput) -> None:
         self._hub._post(self, out)
 
     def _arrived(self, out: RequestOutput) -> None:
+        if self._overflowed:
+            return
         self._items.append(out)
+        self._backlog += len(out.token_ids)
+        if self._backlog > self._hub.max_backlog and not out.finished:
+            self._overflowed = True
+            self._items.clear()
+            self._on_overflow()
         self._ready.set()
 
     async def get(self, timeout: float) -> RequestOutput:
         """The next output, coalesced; TimeoutError if none comes within `timeout` s."""
-        while not self._items:
+        while not self._items and not self._overflowed:
             self._ready.clear()
             await asyncio.wait_for(self._ready.wait(), timeout)
+        if self._overflowed:
+            raise StreamBacklogExceeded(f"more than {self._hub.max_backlog} tokens of the stream were left unread")
         out = self._items.popleft()
         while self._items and not out.finished:
             out.absorb(self._items.popleft())
+        self._backlog = sum(len(o.token_ids) for o in self._items)
         return out

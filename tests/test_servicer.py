@@ -109,7 +109,7 @@ def test_a_reader_that_falls_behind_gets_coalesced_deltas(tiny_model):
     expected_text = "".join(o.text for o in produced[:-1])
 
     async def read():
-        outputs = OutputHub(asyncio.get_running_loop()).outputs()
+        outputs = OutputHub(asyncio.get_running_loop(), max_backlog=100).outputs(on_overflow=lambda: None)
         for out in produced[:-1]:
             outputs.put(out)
         first = await outputs.get(timeout=5)
