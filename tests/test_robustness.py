@@ -63,6 +63,26 @@ def address(server) -> str:
     return f"127.0.0.1:{server.port}"
 
 
+# -- backpressure -------------------------------------------------------------------
+def test_past_the_waiting_queue_requests_are_refused_at_once():
+    server = serve(num_kv_blocks=64, max_num_seqs=1, max_waiting=1)  # room for 2 in flight
+    client = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+    long = pb.GenerateRequest(prompt="x", sampling=GREEDY, stop=pb.StopCriteria(max_tokens=400, ignore_eos=True))
+    try:
+        held = [client.Generate(long, timeout=60) for _ in range(2)]
+        for call in held:
+            next(call)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            next(client.Generate(long, timeout=60))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in e.value.details()
+        assert time.monotonic() - start < 2  # at once, not after a wait
+        assert all(list(call)[-1].finished.usage.completion_tokens == 400 for call in held)
+        assert idle(server)
+    finally:
+        server.drain()
+
+
 # -- a reader that stops reading -------------------------------------------------
 def test_a_reader_that_stops_reading_is_cut_off_and_others_go_on(tiny_model):
     server = serve(num_kv_blocks=300, max_stream_backlog=64)
