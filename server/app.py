@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from tqdm import tqdm
 
 from engine.backends import create_backend
 from engine.engine_loop import EngineLoop
@@ -26,6 +28,7 @@ from engine.sampling_params import SamplingParams
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server.interceptors import OPEN_SERVICES, BearerTokenAuth, RejectMalformed
+from server.observability import Observer
 from server.servicer import GenerationServicer
 from server.streams import OutputHub
 
@@ -57,6 +60,7 @@ class ServerConfig:
     auth_token_file: str | None = None
     auth_health_and_reflection: bool = False  # the token is needed for those too
     log_prompts: bool = False
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP (0: any free port)
 
 
 def _read(path: str, flag: str) -> bytes:
@@ -85,15 +89,18 @@ def _read_token(path: str) -> str:
 
 
 class LoadingProgress:
-    """Logs weight loading at most once a second."""
+    """A progress bar on stderr while weights load or a GGUF converts."""
 
-    def __init__(self) -> None:
-        self.last = 0.0
+    def __init__(self, what: str = "loading weights") -> None:
+        self.what = what
+        self.bar: tqdm | None = None
 
     def __call__(self, done: int, total: int) -> None:
-        if time.monotonic() - self.last > 1.0 or done == total:
-            self.last = time.monotonic()
-            log.info("loading weights: %d/%d", done, total)
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=self.what, unit="tensor", file=sys.stderr, leave=True)
+        self.bar.update(done - self.bar.n)
+        if done == total:
+            self.bar.close()
 
 
 class Server:
@@ -122,7 +129,8 @@ class Server:
         self.aio = asyncio.new_event_loop()
         self._aio_thread = threading.Thread(target=self.aio.run_forever, name="grpc", daemon=True)
         self._aio_thread.start()
-        self.servicer = GenerationServicer(self.loop, OutputHub(self.aio, cfg.max_stream_backlog), backend.name,
+        self.observer = Observer(self.loop)
+        self.servicer = GenerationServicer(self.loop, OutputHub(self.aio, cfg.max_stream_backlog), self.observer, backend.name,
                                            cfg.max_num_seqs + cfg.max_waiting, log_prompts=cfg.log_prompts)
         self._credentials = _server_credentials(cfg)
         self._interceptors = [RejectMalformed()]
@@ -162,6 +170,9 @@ class Server:
 
     def start(self) -> None:
         self.loop.start()
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.observer.serve_metrics(self.cfg.host, self.cfg.metrics_port)
+            log.info("Prometheus metrics on http://%s:%d/metrics", self.cfg.host, self.metrics_port)
         self._on_aio(self.grpc_server.start())
         self._warm_up()
         self.servicer.accepting.set()

@@ -40,6 +40,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-health-and-reflection", action="store_true",
                    help="with --auth-token-file: require the token for health checks and reflection too")
     p.add_argument("--log-prompts", action="store_true", help="log each request's prompt (never logged otherwise)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.model_loader import convert_gguf
         from server.app import LoadingProgress
 
-        print(f"wrote {convert_gguf(args.gguf, args.out_dir, LoadingProgress())}")
+        print(f"wrote {convert_gguf(args.gguf, args.out_dir, LoadingProgress('converting'))}")
         return 0
 
     _check_positive(parser, args)

@@ -6,6 +6,7 @@ Handlers run on the server's asyncio loop; the engine runs on its own thread
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import uuid
@@ -19,6 +20,7 @@ from engine.sequence import FinishReason
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server import protocol
+from server.observability import Observer, RequestRecord
 from server.streams import AsyncOutputs, OutputHub, StreamBacklogExceeded
 
 log = logging.getLogger("llamastream.server")
@@ -26,9 +28,11 @@ ENGINE_CHECK_S = 1.0  # how often a waiting stream checks that the engine still 
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, loop: EngineLoop, hub: OutputHub, backend_name: str, max_in_flight: int, log_prompts: bool = False):
+    def __init__(self, loop: EngineLoop, hub: OutputHub, observer: Observer, backend_name: str, max_in_flight: int,
+                 log_prompts: bool = False):
         self.loop = loop
         self.hub = hub
+        self.observer = observer
         self.engine = loop.engine
         self.tokenizer = loop.engine.tokenizer
         self.backend_name = backend_name
@@ -36,58 +40,80 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.log_prompts = log_prompts  # prompts are never logged otherwise
         self.accepting = threading.Event()  # set once warmed up; cleared when draining
 
-    async def _check_available(self, context: grpc.aio.ServicerContext) -> None:
+    async def _refuse(self, context: grpc.aio.ServicerContext, record: RequestRecord | None,
+                      code: grpc.StatusCode, details: str) -> None:
+        if record is not None:
+            record.status = code.name
+        await context.abort(code, details)
+
+    async def _check_available(self, context: grpc.aio.ServicerContext, record: RequestRecord | None = None) -> None:
         if not self.accepting.is_set():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading or draining: retry shortly, or another replica")
+            await self._refuse(context, record, grpc.StatusCode.UNAVAILABLE,
+                               "the server is loading or draining: retry shortly, or another replica")
         if not self.loop.alive:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has stopped: {self.loop.fatal_error or 'restart the server'}")
+            await self._refuse(context, record, grpc.StatusCode.UNAVAILABLE,
+                               f"the engine has stopped: {self.loop.fatal_error or 'restart the server'}")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        await self._check_available(context)
-        request_id = request.request_id or uuid.uuid4().hex
+        record = RequestRecord(request.request_id or uuid.uuid4().hex)
+        try:
+            async for response in self._generate(request, context, record):
+                yield response
+        except asyncio.CancelledError:  # the client went away, or its deadline passed
+            remaining = context.time_remaining()
+            record.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            raise
+        finally:
+            self.observer.finished(record)
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, record: RequestRecord):
+        await self._check_available(context, record)
+        request_id = record.request_id
         try:
             ids = protocol.prompt_ids(request, self.tokenizer)
             seq = self.engine.make_sequence(request_id, ids, protocol.sampling_params(request))
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._refuse(context, record, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.loop.num_in_flight() >= self.max_in_flight:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{self.max_in_flight} requests are in flight, the most this server queues: retry with backoff")
+            await self._refuse(context, record, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{self.max_in_flight} requests are in flight, the most this server queues: retry with backoff")
         if self.log_prompts:
             log.info("request %s prompt: %r", request_id, self.tokenizer.decode(ids))
         outputs = self.hub.outputs(on_overflow=lambda: self.loop.abort(request_id))
         try:
             self.loop.submit(seq, outputs)
         except DuplicateRequest as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            await self._refuse(context, record, grpc.StatusCode.ALREADY_EXISTS, str(e))
         finished = False
         try:
             yield pb.GenerateResponse(
                 request_id=request_id, started=pb.Started(prompt_tokens=len(ids), model=self.engine.model.name)
             )
             while not finished:
-                out = await self._next_output(outputs, context)
-                if out.finish_reason is FinishReason.ERROR:
-                    finished = True
-                    await context.abort(grpc.StatusCode.INTERNAL, out.error or "engine fault")
+                out = await self._next_output(outputs, context, record)
                 finished = out.finished
+                if out.finish_reason is FinishReason.ERROR:
+                    await self._refuse(context, record, grpc.StatusCode.INTERNAL, out.error or "engine fault")
+                if finished:
+                    record.finish_reason, record.usage = out.finish_reason.name.lower(), out.usage
                 for response in protocol.responses(out, self.tokenizer):
                     yield response
         finally:  # a cancel, a deadline or a failed write ends the RPC early: free the sequence
             if not finished:
                 self.loop.abort(request_id)
 
-    async def _next_output(self, outputs: AsyncOutputs, context: grpc.aio.ServicerContext) -> RequestOutput:
+    async def _next_output(self, outputs: AsyncOutputs, context: grpc.aio.ServicerContext,
+                           record: RequestRecord) -> RequestOutput:
         while True:
             try:
                 return await outputs.get(timeout=ENGINE_CHECK_S)
             except StreamBacklogExceeded as e:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"the client read too slowly: {e}; read the stream as it arrives "
-                                    "(the server's --max-stream-backlog sets the limit)")
+                await self._refuse(context, record, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"the client read too slowly: {e}; read the stream as it arrives "
+                                   "(the server's --max-stream-backlog sets the limit)")
             except TimeoutError:
                 if not self.loop.alive:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"the engine stopped: {self.loop.fatal_error}")
+                    await self._refuse(context, record, grpc.StatusCode.INTERNAL, f"the engine stopped: {self.loop.fatal_error}")
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import re
 import subprocess
 import sys
 
@@ -71,8 +72,9 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 def test_convert_gguf_writes_an_equivalent_hf_directory(tmp_path, smollm2):
     out = tmp_path / "smollm2-hf"
-    subprocess.run([sys.executable, "-m", "server", "convert-gguf", str(embedded_model_path()), str(out)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "server", "convert-gguf", str(embedded_model_path()), str(out)],
+                          cwd=ROOT, check=True, capture_output=True, text=True, timeout=300)
+    assert re.search(r"converting: 100%\|.*\| (\d+)/\1", done.stderr), "no progress bar"
     converted = load_model(out)
     assert converted.config == smollm2.config
     assert all(np.array_equal(converted.weights[k], v) for k, v in smollm2.weights.items())

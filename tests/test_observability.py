@@ -1,0 +1,58 @@
+"""The Prometheus endpoint agrees with what was sent, and every finished request logs
+one structured line."""
+
+from __future__ import annotations
+
+import logging
+import re
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llamastream.v1 import generation_pb2 as pb
+from server.app import Server, ServerConfig
+from tests.conftest import TINY_MODEL
+from tests.serving import collect, stub
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_and_request_log_agree_with_what_was_sent(caplog):
+    server = Server(ServerConfig(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu", num_kv_blocks=64,
+                                 metrics_port=0))
+    with caplog.at_level(logging.INFO, logger="llamastream.requests"):
+        server.start()
+        try:
+            client = stub(f"127.0.0.1:{server.port}")
+            sent = [(5, 3), (2, 7)]  # (prompt tokens, max_tokens)
+            for i, (n_prompt, n_out) in enumerate(sent):
+                request = pb.GenerateRequest(request_id=f"ok{i}", token_ids=pb.TokenIds(ids=list(range(10, 10 + n_prompt))),
+                                             stop=pb.StopCriteria(max_tokens=n_out, ignore_eos=True))
+                collect(client.Generate(request, timeout=10))
+            with pytest.raises(grpc.RpcError):
+                collect(client.Generate(pb.GenerateRequest(request_id="bad", prompt="x",
+                                                           sampling=pb.SamplingParams(top_p=5.0)), timeout=10))
+            m = scrape(server.metrics_port)
+        finally:
+            server.drain()
+    assert m[("llamastream:requests_total", (("status", "OK"),))] == 2
+    assert m[("llamastream:requests_total", (("status", "INVALID_ARGUMENT"),))] == 1
+    assert m[("llamastream:prompt_tokens_total", ())] == sum(p for p, _ in sent)
+    assert m[("llamastream:generation_tokens_total", ())] == sum(n for _, n in sent)
+    assert m[("llamastream:time_to_first_token_seconds_count", ())] == 2
+    assert m[("llamastream:time_per_output_token_seconds_count", ())] == 2
+    assert m[("llamastream:e2e_request_latency_seconds_count", ())] == 2
+    assert m[("llamastream:num_requests_running", ())] == m[("llamastream:num_requests_waiting", ())] == 0
+    assert m[("llamastream:kv_cache_blocks_used", ())] == 0 and m[("llamastream:kv_cache_blocks_free", ())] == 64
+    assert m[("llamastream:num_preemptions_total", ())] == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "llamastream.requests"]
+    assert len(lines) == 3
+    assert re.fullmatch(r"request_id=ok0 status=OK finish_reason=length prompt_tokens=5 completion_tokens=3 "
+                        r"ttft_ms=[\d.]+ total_ms=[\d.]+", lines[0])
+    assert lines[2] == "request_id=bad status=INVALID_ARGUMENT finish_reason=-"
