@@ -1,0 +1,1 @@
+"""llamastream's gRPC contract: the Python stubs generated from protos/ live in llamastream.v1."""
