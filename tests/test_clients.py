@@ -132,6 +132,12 @@ def test_python_cli(server):
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
     info = run(*cli, "info")
     assert json.loads(info.stdout)["model"] == "tiny-llama"
+    raw = run(*cli, "generate", "Once upon", "--max-tokens", "3", "--temperature", "0")
+    assert raw.returncode == 0 and "[" in raw.stderr, raw.stderr
+    with Client(server, token=TOKEN) as client:
+        assert json.loads(run(*cli, "tokenize", "hello there").stdout) == client.tokenize("hello there")
+    unauthenticated = run(sys.executable, "-m", "llamastream_client.cli", "--target", server, "info")
+    assert unauthenticated.returncode == 1 and "UNAUTHENTICATED" in unauthenticated.stderr
 
 
 def built(path, log: str) -> None:
