@@ -40,13 +40,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.log_prompts = log_prompts  # prompts are never logged otherwise
         self.accepting = threading.Event()  # set once warmed up; cleared when draining
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, record: RequestRecord | None,
+    async def _refuse(self, context: grpc.aio.ServicerContext, record: RequestRecord,
                       code: grpc.StatusCode, details: str) -> None:
-        if record is not None:
-            record.status = code.name
+        """End the call with `code`, noting it for the metrics and the request log."""
+        record.status = code.name
         await context.abort(code, details)
 
-    async def _check_available(self, context: grpc.aio.ServicerContext, record: RequestRecord | None = None) -> None:
+    async def _check_available(self, context: grpc.aio.ServicerContext, record: RequestRecord) -> None:
         if not self.accepting.is_set():
             await self._refuse(context, record, grpc.StatusCode.UNAVAILABLE,
                                "the server is loading or draining: retry shortly, or another replica")
