@@ -4,6 +4,11 @@ that spends --step-ms of wall time per step and no CPU, as a GPU does, run in pr
 and then through the server under --max-concurrency streams.
 
     python bench/server_overhead.py [--step-ms 10] [--max-concurrency 256]
+    python bench/server_overhead.py --host-ms 1 --gil-releases 6    # like the CUDA backend
+
+--host-ms and --gil-releases make a step look like a CUDA step to the other threads:
+Python work that holds the GIL, then short calls that drop it (ctypes calls and
+PyCUDA's copies each let it go), then the wait for the GPU.
 
 The ratio is the server's share of the in-process rate (issue target: 80% on the GPU).
 The model is the small test fixture; only its tokenizer and shape matter here.
@@ -40,8 +45,8 @@ class EmulatedBackend:
 
     name = "emulated"
 
-    def __init__(self, step_ms: float):
-        self.step_s = step_ms / 1e3
+    def __init__(self, step_ms: float, host_ms: float = 0.0, gil_releases: int = 0):
+        self.step_s, self.host_s, self.gil_releases = step_ms / 1e3, host_ms / 1e3, gil_releases
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return 1
@@ -50,6 +55,11 @@ class EmulatedBackend:
         pass
 
     def execute(self, batch):
+        busy_until = time.perf_counter() + self.host_s
+        while time.perf_counter() < busy_until:  # host work, the GIL held
+            pass
+        for _ in range(self.gil_releases):
+            time.sleep(0)  # a short call that drops the GIL and takes it back
         time.sleep(self.step_s)
         return [SampleOutput(s.seq.num_tokens % 200 + 10, None) if s.samples else None for s in batch]
 
@@ -60,9 +70,9 @@ def workload(vocab: int, n: int, seed: int = 0) -> tuple[list[list[int]], list[i
     return prompts, rng.integers(100, 1025, n).tolist()
 
 
-def in_process(step_ms: float, prompts, outputs) -> float:
+def in_process(backend: EmulatedBackend, prompts, outputs) -> float:
     model = load_model(str(MODEL))
-    engine = LLMEngine(model, EmulatedBackend(step_ms), EngineConfig(**CONFIG))
+    engine = LLMEngine(model, backend, EngineConfig(**CONFIG))
     for i, (ids, n) in enumerate(zip(prompts, outputs)):
         engine.add(engine.make_sequence(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
     start, tokens = time.perf_counter(), 0
@@ -71,12 +81,12 @@ def in_process(step_ms: float, prompts, outputs) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def serve(step_ms: float, port: int) -> None:
+def serve(backend: EmulatedBackend, port: int) -> None:
     """The server of `llamastream serve`, on the emulated backend (runs in a subprocess)."""
     import server.app
     from server.cli import main
 
-    server.app.create_backend = lambda *args, **kwargs: EmulatedBackend(step_ms)
+    server.app.create_backend = lambda *args, **kwargs: backend
     sys.argv = ["llamastream", "serve", "--model", str(MODEL), "--host", "127.0.0.1", "--port", str(port),
                 "--max-num-seqs", str(CONFIG["max_num_seqs"]), "--max-num-batched-tokens", str(CONFIG["max_num_batched_tokens"]),
                 "--num-kv-blocks", str(CONFIG["num_kv_blocks"])]
@@ -86,16 +96,20 @@ def serve(step_ms: float, port: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--step-ms", type=float, default=10.0, help="emulated GPU time per step")
+    ap.add_argument("--host-ms", type=float, default=0.0, help="Python work per step, the GIL held")
+    ap.add_argument("--gil-releases", type=int, default=0, help="short GIL-dropping calls per step")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-concurrency", type=int, default=256)
     ap.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    step = ["--step-ms", str(args.step_ms), "--host-ms", str(args.host_ms), "--gil-releases", str(args.gil_releases)]
+    backend = EmulatedBackend(args.step_ms, args.host_ms, args.gil_releases)
     if args.serve:
-        return serve(args.step_ms, args.serve)
+        return serve(backend, args.serve)
     prompts, outputs = workload(load_model(str(MODEL)).config.vocab_size, args.requests)
-    local = in_process(args.step_ms, prompts, outputs)
+    local = in_process(backend, prompts, outputs)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--step-ms", str(args.step_ms)],
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), *step],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_serving(f"127.0.0.1:{port}", proc=proc)
@@ -104,7 +118,8 @@ def main() -> None:
         proc.kill()
         proc.wait()
     rate = remote["output_tokens_per_s"]
-    print(f"emulated step {args.step_ms} ms, {args.requests} requests, {args.max_concurrency} concurrent streams")
+    print(f"emulated step: {args.host_ms} ms of host work, {args.gil_releases} GIL releases, {args.step_ms} ms of GPU; "
+          f"{args.requests} requests, {args.max_concurrency} concurrent streams")
     print(f"{'path':<12} | {'output tok/s':>12} | {'share':>6} | {'TTFT p50/p99 ms':>16}")
     print(f"{'in process':<12} | {local:12.0f} | {'100%':>6} |")
     t = remote["ttft_ms"]

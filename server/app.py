@@ -33,6 +33,7 @@ from server.servicer import GenerationServicer
 from server.streams import OutputHub
 
 log = logging.getLogger("llamastream.server")
+SWITCH_INTERVAL_S = 0.0001  # see start(); measured with bench/server_overhead.py --host-ms 1 --gil-releases 6
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
@@ -169,6 +170,10 @@ class Server:
             await self.health.set(name, status)
 
     def start(self) -> None:
+        # The engine thread drops the GIL at every wait for the GPU and at every short
+        # ctypes or PyCUDA call; each time, it must get it back from the RPC loop at
+        # once, not after Python's default 5 ms switch interval.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.loop.start()
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.observer.serve_metrics(self.cfg.host, self.cfg.metrics_port)
