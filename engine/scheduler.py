@@ -51,9 +51,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + n):
-                break  # seq itself was the newest, and is now waiting
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            end = seq.num_computed_tokens + n
+            if self.block_manager.blocks_needed(seq, end):  # (most steps of a decode need none)
+                if not self._make_room(seq, end):
+                    break  # seq itself was the newest, and is now waiting
+                self.block_manager.allocate(seq, end)
             batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
             i += 1
