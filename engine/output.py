@@ -71,6 +71,8 @@ class OutputStream:
         self.text = ""
         self.sent = 0  # characters of self.text already emitted
         self.longest_stop = max((len(s) for s in seq.params.stop), default=0)
+        # (both are banned before min_tokens, so sampling one means the end)
+        self.stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(seq.eos_token_ids))
 
     def append(self, sample: SampleOutput) -> RequestOutput:
         seq, params = self.seq, self.seq.params
@@ -82,20 +84,21 @@ class OutputStream:
         if sample.logprob is not None:
             out.logprobs.append(sample.logprob)
 
-        if token in params.stop_token_ids or (token in seq.eos_token_ids and not params.ignore_eos):
-            # (both are banned before min_tokens, so reaching here means the end)
+        if token in self.stop_ids:
             out.finish_reason, out.stop_token_id = FinishReason.STOP, token
             self.text += self.detokenizer.flush()
         else:
-            searched_from = max(0, len(self.text) - self.longest_stop + 1)
+            searched_from = len(self.text) - self.longest_stop + 1
             self.text += self.detokenizer.add(token)
             if params.stop and len(seq.output_ids) >= params.min_tokens:
-                self._match_stop_string(out, searched_from)
+                self._match_stop_string(out, max(0, searched_from))
             if out.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
                 out.finish_reason = FinishReason.LENGTH
                 self.text += self.detokenizer.flush()
 
-        end = len(self.text) if out.finished else len(self.text) - _partial_stop_suffix(self.text, params.stop)
+        end = len(self.text)
+        if params.stop and not out.finished:  # hold back what may still become a stop string
+            end -= _partial_stop_suffix(self.text, params.stop)
         out.text = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return out
