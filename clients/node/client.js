@@ -27,7 +27,7 @@ function chat(client, messages, options = {}, metadata = new grpc.Metadata()) {
     let finished = null;
     const call = client.Generate(request, metadata, { deadline: Date.now() + (options.timeoutMs || 600000) });
     call.on("data", (msg) => {
-      if (msg.delta) options.onText?.(msg.delta.text);
+      if (msg.delta && msg.delta.text) options.onText?.(msg.delta.text);  // (a delta may carry ids only)
       if (msg.finished) finished = msg.finished;
     });
     call.on("error", reject);
