@@ -125,7 +125,7 @@ def run(*command: str) -> subprocess.CompletedProcess:
 
 def test_python_cli(server):
     cli = [sys.executable, "-m", "llamastream_client.cli", "--target", server, "--token", TOKEN]
-    ok = run(*cli, "chat", "Say hi", "--max-tokens", "5")
+    ok = run(*cli, "chat", "Say hi", "--max-tokens", "5", "--temperature", "0")
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() and "completion tokens" in ok.stderr
     bad = run(*cli, "chat", "Say hi", "--temperature", "-1")
