@@ -14,6 +14,7 @@ from engine.model_loader import LoadedModel, load_model
 from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from tests.pki import make_pki
 
 # Under CI the property tests draw the same examples every run (a failure found by
 # exploring locally is kept in the example database and shows up there first).
@@ -71,3 +72,9 @@ def tokens(outputs: list[RequestOutput]) -> list[int]:
 
 def text(outputs: list[RequestOutput]) -> str:
     return "".join(o.text for o in outputs)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> dict[str, Path]:
+    """Throwaway certificates (tests/pki.py)."""
+    return make_pki(tmp_path_factory.mktemp("pki"))

@@ -15,14 +15,13 @@ from concurrent import futures
 
 import grpc
 import pytest
+from llamastream_client import AsyncClient, Client, Completion, TextDelta
 
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
-from llamastream_client import AsyncClient, Client, Completion, TextDelta
 from server.app import Server, ServerConfig
 from tests.conftest import TINY_MODEL
 from tests.serving import ROOT, free_port
-from tests.test_security import pki  # noqa: F401  (the certificates fixture)
 
 TOKEN = "client-test-token"
 CHAT = [("user", "Say hi")]
@@ -74,7 +73,7 @@ def test_python_async_client(server):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and vocab == 512
 
 
-def test_python_client_over_mutual_tls(pki):  # noqa: F811
+def test_python_client_over_mutual_tls(pki):
     s = Server(ServerConfig(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu", num_kv_blocks=64,
                             tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]), tls_client_ca=str(pki["ca"])))
     s.start()

@@ -13,7 +13,6 @@ import pytest
 from server.app import Server, ServerConfig
 from tests.conftest import TINY_MODEL
 from tests.serving import ROOT
-from tests.test_security import pki  # noqa: F401  (the certificates fixture)
 
 DOC = ROOT / "docs" / "grpcurl.md"
 COMMANDS = re.findall(r"```sh\n(.*?)```", DOC.read_text(), re.S)
@@ -50,7 +49,7 @@ CHECKS = [
 
 
 @pytest.fixture(scope="module")
-def servers(pki, tmp_path_factory):  # noqa: F811
+def servers(pki, tmp_path_factory):
     work = tmp_path_factory.mktemp("grpcurl")
     for name, source in (("ca.pem", "ca"), ("client.pem", "client_cert"), ("client.key", "client_key")):
         (work / name).write_bytes(pki[source].read_bytes())
