@@ -140,3 +140,12 @@ def test_prompts_are_logged_only_when_asked(servers, caplog):
         assert secret not in caplog.text
         collect(plain_stub(loud).Generate(pb.GenerateRequest(prompt=secret, stop=pb.StopCriteria(max_tokens=2)), timeout=10))
         assert secret in caplog.text
+
+
+def test_health_watch_streams_through_the_interceptors(servers, tmp_path):
+    (tmp_path / "token").write_text(TOKEN)
+    server = servers(auth_token_file=str(tmp_path / "token"))
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=5)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
