@@ -140,6 +140,9 @@ class Server:
                                                          () if cfg.auth_health_and_reflection else OPEN_SERVICES))
         self.health = health.aio.HealthServicer()
         self.port = self._on_aio(self._listen())
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.observer.serve_metrics(cfg.host, cfg.metrics_port)
+            log.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
 
     def _on_aio(self, coroutine):
         """Run a coroutine on the server's loop from another thread; wait for its result."""
@@ -175,9 +178,6 @@ class Server:
         # once, not after Python's default 5 ms switch interval.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.loop.start()
-        if self.cfg.metrics_port is not None:
-            self.metrics_port = self.observer.serve_metrics(self.cfg.host, self.cfg.metrics_port)
-            log.info("Prometheus metrics on http://%s:%d/metrics", self.cfg.host, self.metrics_port)
         self._on_aio(self.grpc_server.start())
         self._warm_up()
         self.servicer.accepting.set()
@@ -209,6 +209,7 @@ class Server:
             time.sleep(0.05)
         self._on_aio(self.grpc_server.stop(grace=1.0))  # time to send the streams' last messages
         self.loop.stop()
+        self.observer.close()
         self.aio.call_soon_threadsafe(self.aio.stop)
         self._aio_thread.join(timeout=10)
         log.info("stopped")

@@ -49,6 +49,7 @@ class _EngineCollector:
 
 class Observer:
     def __init__(self, loop: EngineLoop):
+        self._http = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("llamastream:requests", "Generate calls by final gRPC status.", ["status"], registry=r)
@@ -64,8 +65,16 @@ class Observer:
 
     def serve_metrics(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP; returns the port (useful with 0)."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port
+        try:
+            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise OSError(f"cannot serve metrics on {host}:{port} ({e.strerror}): choose another --metrics-port") from e
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http = None
 
     def finished(self, record: RequestRecord) -> None:
         self.requests.labels(status=record.status).inc()

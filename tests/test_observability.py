@@ -56,3 +56,14 @@ def test_metrics_and_request_log_agree_with_what_was_sent(caplog):
     assert re.fullmatch(r"request_id=ok0 status=OK finish_reason=length prompt_tokens=5 completion_tokens=3 "
                         r"ttft_ms=[\d.]+ total_ms=[\d.]+", lines[0])
     assert lines[2] == "request_id=bad status=INVALID_ARGUMENT finish_reason=-"
+
+
+def test_a_taken_metrics_port_is_a_clear_error():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError, match="choose another --metrics-port"):
+            Server(ServerConfig(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu", num_kv_blocks=8,
+                                metrics_port=taken.getsockname()[1]))
