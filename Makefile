@@ -11,7 +11,7 @@ CLIENT_STUBS := $(addprefix clients/python/,$(STUBS))
 GO_DEBS := golang-go protobuf-compiler golang-google-grpc-dev protoc-gen-go-grpc golang-google-protobuf-dev \
            golang-github-golang-protobuf-1-5-dev
 
-.PHONY: serve test clients gpu-test bench-cpu fixtures clean
+.PHONY: serve test clients gpu-test gpu-bench bench-cpu fixtures clean
 
 serve: $(VENV)/.installed $(STUBS)
 	$(BIN)/llamastream serve --port $(PORT) $(if $(MODEL),--model $(MODEL))
@@ -51,6 +51,23 @@ $(CLIENT_STUBS) &: $(PROTO) $(VENV)/.installed
 gpu-test:
 	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO)
 	$(PYTHON) -m pytest -q -ra -s tests/gpu
+
+# On a machine with an NVIDIA GPU: every GPU benchmark of bench/RESULTS.md, one after
+# another, output in $(BENCH_OUT) (a random Llama 3.2 1B-shaped model is written there too).
+BENCH_OUT ?= bench/out
+gpu-bench:
+	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO)
+	mkdir -p $(BENCH_OUT)
+	$(PYTHON) -c "import pathlib; from tests.gpu.test_model import LLAMA_32_1B, make_model; \
+	  make_model(pathlib.Path('$(BENCH_OUT)/llama-1b-random'), LLAMA_32_1B, seed=0)"
+	$(PYTHON) bench/latency.py | tee $(BENCH_OUT)/latency.txt
+	$(PYTHON) bench/engine_throughput.py | tee $(BENCH_OUT)/engine_throughput.txt
+	$(PYTHON) bench/profile_step.py | tee $(BENCH_OUT)/profile_step.txt
+	$(PYTHON) bench/serve.py --model $(BENCH_OUT)/llama-1b-random --device cuda --vocab 128000 --num-prompts 256 \
+	  --max-concurrency 16,64,256 --server-arg=--max-num-seqs=256 --server-arg=--max-num-batched-tokens=8192 \
+	  --result-json $(BENCH_OUT)/serve.json --plot $(BENCH_OUT)/serve.png | tee $(BENCH_OUT)/serve.txt
+	$(PYTHON) bench/paged_vs_contiguous.py --device cuda --model $(BENCH_OUT)/llama-1b-random --kv-cache-gb 4 \
+	  | tee $(BENCH_OUT)/paged_vs_contiguous.txt
 
 bench-cpu: $(VENV)/.installed $(STUBS)
 	$(BIN)/python bench/cpu_decode.py
