@@ -107,6 +107,12 @@ class LoadingProgress:
 class Server:
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
+        # (settings that can be wrong are read before the model, which takes a while)
+        self._credentials = _server_credentials(cfg)
+        self._interceptors = [RejectMalformed()]
+        if cfg.auth_token_file:
+            self._interceptors.insert(0, BearerTokenAuth(_read_token(cfg.auth_token_file),
+                                                         () if cfg.auth_health_and_reflection else OPEN_SERVICES))
         model = load_model(cfg.model, LoadingProgress())
         backend = create_backend(cfg.device, model.config, model.weights, cuda_graphs=not cfg.enforce_eager)
         if cfg.num_kv_blocks:
@@ -130,14 +136,9 @@ class Server:
         self.aio = asyncio.new_event_loop()
         self._aio_thread = threading.Thread(target=self.aio.run_forever, name="grpc", daemon=True)
         self._aio_thread.start()
-        self.observer = Observer(self.loop)
+        self.observer = Observer(engine)
         self.servicer = GenerationServicer(self.loop, OutputHub(self.aio, cfg.max_stream_backlog), self.observer, backend.name,
                                            cfg.max_num_seqs + cfg.max_waiting, log_prompts=cfg.log_prompts)
-        self._credentials = _server_credentials(cfg)
-        self._interceptors = [RejectMalformed()]
-        if cfg.auth_token_file:
-            self._interceptors.insert(0, BearerTokenAuth(_read_token(cfg.auth_token_file),
-                                                         () if cfg.auth_health_and_reflection else OPEN_SERVICES))
         self.health = health.aio.HealthServicer()
         self.port = self._on_aio(self._listen())
         if cfg.metrics_port is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
 from engine.output import Usage
 
 log = logging.getLogger("llamastream.requests")
@@ -30,8 +30,8 @@ class RequestRecord:
 class _EngineCollector:
     """Engine state, read at scrape time: running and waiting sequences, KV blocks, preemptions."""
 
-    def __init__(self, loop: EngineLoop):
-        self.engine = loop.engine
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
 
     def collect(self):
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
@@ -48,7 +48,7 @@ class _EngineCollector:
 
 
 class Observer:
-    def __init__(self, loop: EngineLoop):
+    def __init__(self, engine: LLMEngine):
         self._http = None
         self.registry = CollectorRegistry()
         r = self.registry
@@ -61,7 +61,7 @@ class Observer:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("llamastream:e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_EngineCollector(loop))
+        r.register(_EngineCollector(engine))
 
     def serve_metrics(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP; returns the port (useful with 0)."""

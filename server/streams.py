@@ -84,5 +84,5 @@ class AsyncOutputs:
         out = self._items.popleft()
         while self._items and not out.finished:
             out.absorb(self._items.popleft())
-        self._backlog = sum(len(o.token_ids) for o in self._items)
+        self._backlog -= len(out.token_ids)  # (out holds every token it absorbed)
         return out

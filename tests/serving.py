@@ -72,6 +72,19 @@ class ServerProcess:
         self.stop()
 
 
+def local_server(start: bool = True, **config):
+    """A Server in this process (so tests can see its engine) on the tiny model, on a
+    free loopback port; started unless `start` is False."""
+    from server.app import Server, ServerConfig
+    from tests.conftest import TINY_MODEL
+
+    defaults = dict(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu", num_kv_blocks=64, grace=5)
+    server = Server(ServerConfig(**{**defaults, **config}))
+    if start:
+        server.start()
+    return server
+
+
 def stub(address: str) -> pb_grpc.GenerationStub:
     return pb_grpc.GenerationStub(grpc.insecure_channel(address))
 

@@ -19,9 +19,7 @@ from llamastream_client import AsyncClient, Client, Completion, TextDelta
 
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
-from server.app import Server, ServerConfig
-from tests.conftest import TINY_MODEL
-from tests.serving import ROOT, free_port
+from tests.serving import ROOT, free_port, local_server
 
 TOKEN = "client-test-token"
 CHAT = [("user", "Say hi")]
@@ -31,9 +29,7 @@ CHAT = [("user", "Say hi")]
 def server(tmp_path_factory):
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN)
-    s = Server(ServerConfig(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu", num_kv_blocks=64,
-                            auth_token_file=str(token_file)))
-    s.start()
+    s = local_server(auth_token_file=str(token_file))
     yield f"127.0.0.1:{s.port}"
     s.drain()
 
@@ -74,9 +70,7 @@ def test_python_async_client(server):
 
 
 def test_python_client_over_mutual_tls(pki):
-    s = Server(ServerConfig(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu", num_kv_blocks=64,
-                            tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]), tls_client_ca=str(pki["ca"])))
-    s.start()
+    s = local_server(tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]), tls_client_ca=str(pki["ca"]))
     try:
         # (the server's certificate names localhost)
         with Client(f"localhost:{s.port}", root_certificates=pki["ca"].read_bytes(), client_cert=pki["client_cert"].read_bytes(),

@@ -10,9 +10,7 @@ import subprocess
 
 import pytest
 
-from server.app import Server, ServerConfig
-from tests.conftest import TINY_MODEL
-from tests.serving import ROOT
+from tests.serving import ROOT, local_server
 
 DOC = ROOT / "docs" / "grpcurl.md"
 COMMANDS = re.findall(r"```sh\n(.*?)```", DOC.read_text(), re.S)
@@ -54,12 +52,9 @@ def servers(pki, tmp_path_factory):
     for name, source in (("ca.pem", "ca"), ("client.pem", "client_cert"), ("client.key", "client_key")):
         (work / name).write_bytes(pki[source].read_bytes())
     (work / "token.txt").write_text(TOKEN)
-    common = dict(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu", num_kv_blocks=64)
-    plain = Server(ServerConfig(**common))
-    secure = Server(ServerConfig(**common, tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]),
-                                 tls_client_ca=str(pki["ca"]), auth_token_file=str(work / "token.txt")))
-    for s in (plain, secure):
-        s.start()
+    plain = local_server()
+    secure = local_server(tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]),
+                          tls_client_ca=str(pki["ca"]), auth_token_file=str(work / "token.txt"))
     yield work, plain.port, secure.port
     for s in (plain, secure):
         s.drain()

@@ -12,9 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llamastream.v1 import generation_pb2 as pb
-from server.app import Server, ServerConfig
-from tests.conftest import TINY_MODEL
-from tests.serving import collect, stub
+from tests.serving import collect, local_server, stub
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -24,8 +22,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 
 def test_metrics_and_request_log_agree_with_what_was_sent(caplog):
-    server = Server(ServerConfig(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu", num_kv_blocks=64,
-                                 metrics_port=0))
+    server = local_server(start=False, metrics_port=0)
     with caplog.at_level(logging.INFO, logger="llamastream.requests"):
         server.start()
         try:
@@ -65,5 +62,4 @@ def test_a_taken_metrics_port_is_a_clear_error():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(OSError, match="choose another --metrics-port"):
-            Server(ServerConfig(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu", num_kv_blocks=8,
-                                metrics_port=taken.getsockname()[1]))
+            local_server(start=False, num_kv_blocks=8, metrics_port=taken.getsockname()[1])

@@ -18,18 +18,11 @@ from hypothesis import strategies as st
 
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
-from server.app import Server, ServerConfig
-from tests.conftest import TINY_MODEL, greedy, make_engine, run, tokens
-from tests.serving import check_stream_shape
+from server.app import Server
+from tests.conftest import greedy, make_engine, run, tokens
+from tests.serving import check_stream_shape, local_server
 
 GREEDY = pb.SamplingParams(temperature=0.0)
-
-
-def serve(**config) -> Server:
-    config = {"model": str(TINY_MODEL), "host": "127.0.0.1", "port": 0, "device": "cpu", "grace": 5, **config}
-    server = Server(ServerConfig(**config))
-    server.start()
-    return server
 
 
 def idle(server: Server, timeout: float = 10.0) -> bool:
@@ -53,7 +46,7 @@ def healthy(address: str) -> bool:
 
 @pytest.fixture(scope="module")
 def server():
-    s = serve(num_kv_blocks=128, max_model_len=1024)
+    s = local_server(num_kv_blocks=128, max_model_len=1024)
     yield s
     s.drain()
 
@@ -65,7 +58,7 @@ def address(server) -> str:
 
 # -- backpressure -------------------------------------------------------------------
 def test_past_the_waiting_queue_requests_are_refused_at_once():
-    server = serve(num_kv_blocks=64, max_num_seqs=1, max_waiting=1)  # room for 2 in flight
+    server = local_server(num_kv_blocks=64, max_num_seqs=1, max_waiting=1)  # room for 2 in flight
     client = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
     long = pb.GenerateRequest(prompt="x", sampling=GREEDY, stop=pb.StopCriteria(max_tokens=400, ignore_eos=True))
     try:
@@ -85,7 +78,7 @@ def test_past_the_waiting_queue_requests_are_refused_at_once():
 
 # -- a reader that stops reading -------------------------------------------------
 def test_a_reader_that_stops_reading_is_cut_off_and_others_go_on(tiny_model):
-    server = serve(num_kv_blocks=300, max_stream_backlog=64)
+    server = local_server(num_kv_blocks=300, max_stream_backlog=64)
     address = f"127.0.0.1:{server.port}"
     try:
         # a small HTTP/2 window, so the server's writes block soon after the client stops reading
@@ -213,7 +206,7 @@ def test_soak(tiny_model):
         engine = make_engine(tiny_model)
         alone.append(tokens(run(engine, [engine.make_sequence("x", ids, greedy(n))])["x"]))
     # a cache too small for everyone at once: queueing and preemption are part of the soak
-    server = serve(num_kv_blocks=64, max_num_seqs=16, max_waiting=64, max_model_len=256)
+    server = local_server(num_kv_blocks=64, max_num_seqs=16, max_waiting=64, max_model_len=256)
     address = f"127.0.0.1:{server.port}"
     threads_before, rss_before = threading.active_count(), rss_bytes()
     counts: collections.Counter[str] = collections.Counter()

@@ -11,26 +11,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
-from server.app import Server, ServerConfig
-from tests.conftest import TINY_MODEL
-from tests.serving import collect
+from server.app import Server
+from tests.serving import collect, local_server
 
 REQUEST = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=0.0),
                              stop=pb.StopCriteria(max_tokens=3, ignore_eos=True))
 TOKEN = "s3cret-token"
 
 
-def start(**config) -> Server:
-    server = Server(ServerConfig(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu", num_kv_blocks=64, grace=2,
-                                 **config))
-    server.start()
-    return server
-
-
 @pytest.fixture
 def servers():
     started = []
-    yield lambda **config: started.append(start(**config)) or started[-1]
+    yield lambda **config: started.append(local_server(grace=2, **config)) or started[-1]
     for s in started:
         s.drain()
 
@@ -110,7 +102,7 @@ def test_bad_security_settings_are_refused_at_start(tmp_path, pki):
     ]:
         (tmp_path / "empty").write_text("\n")
         with pytest.raises(ValueError, match=words):
-            Server(ServerConfig(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu", num_kv_blocks=8, **config))
+            local_server(start=False, num_kv_blocks=8, **config)
 
 
 def test_message_size_limit(servers):

@@ -11,9 +11,7 @@ import pytest
 
 from engine.sampling_params import MAX_STOP_STRINGS
 from llamastream.v1 import generation_pb2 as pb
-from server.app import Server, ServerConfig
-from tests.conftest import TINY_MODEL
-from tests.serving import check_stream_shape, collect, stub
+from tests.serving import check_stream_shape, collect, local_server, stub
 
 GREEDY = pb.SamplingParams(temperature=0.0)
 CONTEXT = 2048
@@ -21,9 +19,7 @@ CONTEXT = 2048
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server(ServerConfig(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu",
-                            num_kv_blocks=160, max_model_len=CONTEXT, grace=5))
-    s.start()
+    s = local_server(num_kv_blocks=160, max_model_len=CONTEXT)
     yield s
     s.drain()
 

@@ -10,17 +10,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.sampling_params import SamplingParams
 from llamastream.v1 import generation_pb2 as pb
-from server.app import Server, ServerConfig
 from server.streams import OutputHub
-from tests.conftest import TINY_MODEL, make_engine
-from tests.serving import check_stream_shape, collect, stub
+from tests.conftest import make_engine
+from tests.serving import check_stream_shape, collect, local_server, stub
 
 GREEDY = pb.SamplingParams(temperature=0.0)
 
 
 @pytest.fixture
 def live_server():
-    server = Server(ServerConfig(model=str(TINY_MODEL), host="127.0.0.1", port=0, device="cpu", num_kv_blocks=64, grace=5))
+    server = local_server(start=False)
     yield server
     server.drain()
 

@@ -68,14 +68,6 @@ def _round_up(n: int, tile: int) -> int:
     return -(-n // tile) * tile
 
 
-def _generated_mask(batch: list[ScheduledSeq]) -> np.ndarray:
-    """For each token of the batch, in order: is it a generated (not a prompt) token?"""
-    counts = np.array([s.num_tokens for s in batch], dtype=np.int64)
-    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    starts = np.repeat([s.start for s in batch], counts)
-    return starts + offsets >= np.repeat([len(s.seq.prompt_ids) for s in batch], counts)
-
-
 def _prompt_counts(batch: list[ScheduledSeq]) -> np.ndarray:
     """Prompt tokens of each scheduled sequence in this step."""
     return np.array([max(0, min(s.start + s.num_tokens, len(s.seq.prompt_ids)) - s.start) for s in batch], np.int64)
@@ -115,7 +107,7 @@ def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int,
     tables = np.full((shape.seqs, shape.max_blocks), dummy_block, np.int64)
     for i, s in enumerate(batch):
         tables[i, : len(s.seq.block_table)] = s.seq.block_table
-    generated = _generated_mask(batch) if batch else np.zeros(0, bool)
+    generated = positions >= np.repeat(np.array([len(s.seq.prompt_ids) for s in batch], np.int64), counts)
     row = np.where(generated, np.cumsum(generated) - 1, shape.generated_rows + np.cumsum(~generated) - 1)
 
     ids, pos, slots = np.zeros(T, np.int64), np.zeros(T, np.int64), np.full(T, dummy_block * bs, np.int64)

@@ -110,10 +110,16 @@ class _Assembler:
 
 
 class _Base:
-    def __init__(self, target: str, token: str | None, timeout: float | None):
+    def __init__(self, grpc_module, target: str, token: str | None, tls: bool, root_certificates: bytes | None,
+                 client_cert: bytes | None, client_key: bytes | None, timeout: float | None, retries: int):
+        """`grpc_module` is grpc or grpc.aio: they make channels alike."""
         self.target = target
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout = timeout
+        creds, options = _credentials(tls, root_certificates, client_cert, client_key), _channel_options(retries)
+        self.channel = (grpc_module.secure_channel(target, creds, options) if creds
+                        else grpc_module.insecure_channel(target, options))
+        self.stub = pb_grpc.GenerationStub(self.channel)
 
     def _call_args(self, timeout: float | None) -> dict:
         return {"metadata": self.metadata, "timeout": self.timeout if timeout is None else timeout}
@@ -127,10 +133,7 @@ class Client(_Base):
     def __init__(self, target: str = "localhost:50051", *, token: str | None = None, tls: bool = False,
                  root_certificates: bytes | None = None, client_cert: bytes | None = None, client_key: bytes | None = None,
                  timeout: float | None = 600.0, retries: int = 4):
-        super().__init__(target, token, timeout)
-        creds, options = _credentials(tls, root_certificates, client_cert, client_key), _channel_options(retries)
-        self.channel = grpc.secure_channel(target, creds, options) if creds else grpc.insecure_channel(target, options)
-        self.stub = pb_grpc.GenerationStub(self.channel)
+        super().__init__(grpc, target, token, tls, root_certificates, client_cert, client_key, timeout, retries)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **fields) -> Iterator[Event]:
         """Stream TextDeltas, then one Completion. Fields as in `generate_request`."""
@@ -175,10 +178,7 @@ class AsyncClient(_Base):
     def __init__(self, target: str = "localhost:50051", *, token: str | None = None, tls: bool = False,
                  root_certificates: bytes | None = None, client_cert: bytes | None = None, client_key: bytes | None = None,
                  timeout: float | None = 600.0, retries: int = 4):
-        super().__init__(target, token, timeout)
-        creds, options = _credentials(tls, root_certificates, client_cert, client_key), _channel_options(retries)
-        self.channel = grpc.aio.secure_channel(target, creds, options) if creds else grpc.aio.insecure_channel(target, options)
-        self.stub = pb_grpc.GenerationStub(self.channel)
+        super().__init__(grpc.aio, target, token, tls, root_certificates, client_cert, client_key, timeout, retries)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **fields) -> AsyncIterator[Event]:
         assembler = _Assembler()
