@@ -2,7 +2,7 @@
 prompt and output lengths uniform in 100..1024 random tokens, eos ignored, all
 submitted at once; Llama 3.2 1B shape, bfloat16, random weights.
 
-    python bench/engine_throughput.py [--requests 256]   # on a machine with an NVIDIA GPU
+    python bench/engine_throughput.py [--requests 256] [--batch-invariant]   # on a machine with an NVIDIA GPU
 
 The floor: a decode step at batch B reads the weights once (2.47 GB) and each
 sequence's K/V (32 KB a token at this shape) and does 2 x 1.24 G FLOPs per sequence;
@@ -36,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--batch-invariant", action="store_true", help="GEMMs in fixed row tiles, as the server's flag")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     prompt_lens = rng.integers(100, 1025, args.requests)
@@ -43,7 +44,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp), LLAMA_32_1B, seed=0)
         model = load_model(tmp)
-    backend = CudaBackend(model.config, model.weights)
+    backend = CudaBackend(model.config, model.weights, batch_invariant=args.batch_invariant)
     blocks = int((prompt_lens + output_lens).sum() // 16 + 2 * args.requests)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=blocks, max_num_seqs=args.requests,
                                                     max_num_batched_tokens=args.max_num_batched_tokens))

@@ -33,14 +33,21 @@ struct Softmax {  // online softmax state of one lane for one query head
     float m, l, acc[VEC];
 };
 
-__device__ __forceinline__ void load_bf16x8(const bf16* p, float* out) {
-    uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+// This lane's slice of the K and V rows at positions pos, pos + stride, ... (UNROLL of
+// them), as raw bf16; zeros past `end` (no NaN from stale registers).
+__device__ __forceinline__ void load_rows(uint4* k, uint4* v, const bf16* __restrict__ k_cache,
+                                          const bf16* __restrict__ v_cache, const int* blocks_s, int pos, int stride,
+                                          int end, int first_block, int block_size, int kv_heads, int kvh, int col) {
 #pragma unroll
-    for (int i = 0; i < VEC / 2; i++) {
-        float2 f = __bfloat1622float2(pairs[i]);
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
+    for (int u = 0; u < UNROLL; u++, pos += stride) {
+        if (pos < end) {
+            const size_t slot = (size_t)blocks_s[pos / block_size - first_block] * block_size + pos % block_size;
+            const size_t idx = (slot * kv_heads + kvh) * HEAD_DIM + col;
+            k[u] = __ldg(reinterpret_cast<const uint4*>(k_cache + idx));
+            v[u] = __ldg(reinterpret_cast<const uint4*>(v_cache + idx));
+        } else {
+            k[u] = v[u] = make_uint4(0, 0, 0, 0);
+        }
     }
 }
 
@@ -105,34 +112,37 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     __syncthreads();  // blocks_s is written
 
     // Warp-uniform loop (the shuffles below need every lane): lanes past `end` mask out.
-    const int stride = WARPS * ROWS_PER_WARP;
-    for (int base = begin + warp * ROWS_PER_WARP; base < end; base += stride * UNROLL) {
-        float k[UNROLL][VEC], v[UNROLL][VEC];
+    // The K/V rows of the next iteration are loaded (as raw bf16) before this
+    // iteration's arithmetic, so the memory system always has loads in flight.
+    const int stride = WARPS * ROWS_PER_WARP, step = stride * UNROLL;
+    uint4 k_raw[UNROLL], v_raw[UNROLL];
+    const int first = begin + warp * ROWS_PER_WARP + row;
+    load_rows(k_raw, v_raw, k_cache, v_cache, blocks_s, first, stride, end, first_block, block_size, kv_heads, kvh, col);
+    for (int base = begin + warp * ROWS_PER_WARP; base < end; base += step) {
+        uint4 k_next[UNROLL], v_next[UNROLL];
+        load_rows(k_next, v_next, k_cache, v_cache, blocks_s, base + step + row, stride, end, first_block, block_size,
+                  kv_heads, kvh, col);
+        float score[GROUP][UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
-            const int pos = base + u * stride + row;
-            if (pos < end) {
-                const size_t slot = (size_t)blocks_s[pos / block_size - first_block] * block_size + pos % block_size;
-                const size_t idx = (slot * kv_heads + kvh) * HEAD_DIM + col;
-                load_bf16x8(k_cache + idx, k[u]);
-                load_bf16x8(v_cache + idx, v[u]);
-            } else {
+            float k[VEC];
+            unpack_bf16x8(k_raw[u], k);
 #pragma unroll
-                for (int i = 0; i < VEC; i++) k[u][i] = v[u][i] = 0.f;  // (no NaN from stale registers)
+            for (int g = 0; g < GROUP; g++) {
+                score[g][u] = 0.f;
+#pragma unroll
+                for (int i = 0; i < VEC; i++) score[g][u] += q[g][i] * k[i];
             }
         }
 #pragma unroll
         for (int g = 0; g < GROUP; g++) {
-            float score[UNROLL], m = s[g].m;
+            float m = s[g].m;
 #pragma unroll
             for (int u = 0; u < UNROLL; u++) {
-                score[u] = 0.f;
 #pragma unroll
-                for (int i = 0; i < VEC; i++) score[u] += q[g][i] * k[u][i];
-#pragma unroll
-                for (int o = ROW_LANES / 2; o > 0; o >>= 1) score[u] += __shfl_xor_sync(0xffffffff, score[u], o);
-                if (base + u * stride + row >= end) score[u] = -INFINITY;
-                m = fmaxf(m, score[u]);
+                for (int o = ROW_LANES / 2; o > 0; o >>= 1) score[g][u] += __shfl_xor_sync(0xffffffff, score[g][u], o);
+                if (base + u * stride + row >= end) score[g][u] = -INFINITY;
+                m = fmaxf(m, score[g][u]);
             }
             // m is -inf only while this lane has seen no position: then p = 0 and
             // nothing changes (without a branch: shuffles follow)
@@ -143,12 +153,22 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
             for (int i = 0; i < VEC; i++) s[g].acc[i] *= rescale;
 #pragma unroll
             for (int u = 0; u < UNROLL; u++) {
-                const float p = __expf(score[u] - ref);  // 0 past the end
-                s[g].l += p;
-#pragma unroll
-                for (int i = 0; i < VEC; i++) s[g].acc[i] += p * v[u][i];
+                score[g][u] = __expf(score[g][u] - ref);  // now the weight p: 0 past the end
+                s[g].l += score[g][u];
             }
             s[g].m = m;
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            float v[VEC];
+            unpack_bf16x8(v_raw[u], v);
+#pragma unroll
+            for (int g = 0; g < GROUP; g++) {
+#pragma unroll
+                for (int i = 0; i < VEC; i++) s[g].acc[i] += score[g][u] * v[i];
+            }
+            k_raw[u] = k_next[u];
+            v_raw[u] = v_next[u];
         }
     }
 

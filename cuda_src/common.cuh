@@ -12,6 +12,22 @@ __device__ __forceinline__ bf16 to_bf16(float x) { return __float2bfloat16_rn(x)
 // transformers computes in bfloat16, this reproduces its rounding.
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
+// 8 bfloat16 values (16 bytes, one load) to float32.
+__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float* out) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 f = __bfloat1622float2(pairs[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+// Read-only data: 8 bfloat16 values at p (16-byte aligned) as float32.
+__device__ __forceinline__ void load_bf16x8(const bf16* p, float* out) {
+    unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p)), out);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
     return v;

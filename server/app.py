@@ -48,6 +48,7 @@ class ServerConfig:
     kv_cache_memory_gb: float = 2.0  # numpy backend
     gpu_memory_utilization: float = 0.9  # cuda backend
     enforce_eager: bool = False  # cuda backend: no CUDA graphs
+    batch_invariant: bool = False  # cuda backend: a token's result independent of its batch
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -114,7 +115,8 @@ class Server:
             self._interceptors.insert(0, BearerTokenAuth(_read_token(cfg.auth_token_file),
                                                          () if cfg.auth_health_and_reflection else OPEN_SERVICES))
         model = load_model(cfg.model, LoadingProgress())
-        backend = create_backend(cfg.device, model.config, model.weights, cuda_graphs=not cfg.enforce_eager)
+        backend = create_backend(cfg.device, model.config, model.weights, cuda_graphs=not cfg.enforce_eager,
+                                 batch_invariant=cfg.batch_invariant)
         if cfg.num_kv_blocks:
             num_blocks = cfg.num_kv_blocks
         elif backend.name == "cuda":

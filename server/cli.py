@@ -28,6 +28,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of the GPU's memory the server may use; the KV cache takes what the weights leave")
     p.add_argument("--enforce-eager", action="store_true",
                    help="launch every kernel from Python: no CUDA graphs for decode steps")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="compute each token exactly as it would be alone, whatever else runs in its batch "
+                        "(reproducible seeded and greedy outputs; slower GEMMs on the GPU)")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's, within the KV cache)")
     p.add_argument("--grace", type=float, default=d.grace, help="seconds in-flight streams get to finish on SIGTERM")
     p.add_argument("--max-stream-backlog", type=int, default=d.max_stream_backlog,

@@ -19,7 +19,7 @@ SOURCES = sorted(CUDA_SRC.glob("*.cu"))
 
 
 def test_there_are_kernels():
-    assert {p.stem for p in SOURCES} >= {"embedding", "rmsnorm", "rope_cache", "attention", "activation", "sampling"}
+    assert {p.stem for p in SOURCES} >= {"embedding", "rmsnorm", "rope_cache", "attention", "activation", "sampling", "gemv"}
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed (CI and the development machines have it)")

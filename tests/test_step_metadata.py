@@ -67,11 +67,11 @@ def batches(draw):
 
 
 @settings(max_examples=200, deadline=None)
-@given(batches(), st.integers(0, 5))
-def test_metadata_matches_the_per_token_definition(batch, padding):
-    shape = step_shape(batch, partition=512, query_rows=QUERY_ROWS)
+@given(batches(), st.integers(0, 5), st.booleans())
+def test_metadata_matches_the_per_token_definition(batch, padding, invariant):
+    shape = step_shape(batch, partition=512, query_rows=QUERY_ROWS, invariant=invariant)
     if padding and all(s.num_tokens == 1 and s.samples and s.start >= len(s.seq.prompt_ids) for s in batch):
-        shape = decode_shape(len(batch) + padding, max_blocks=shape.max_blocks + 2, partitions=8)  # a graph's
+        shape = decode_shape(len(batch) + padding, max_blocks=shape.max_blocks + 2, partitions=8, invariant=invariant)  # a graph's
     got = build_metadata(batch, shape, BLOCK, DUMMY, QUERY_ROWS)
     expected = naive(batch, shape)
     offsets = np.cumsum([0] + field_sizes(shape))
@@ -91,15 +91,25 @@ def test_sequence_token_slices():
 
 def test_an_empty_batch_is_all_padding():
     """(what a graph is captured with)"""
-    shape = decode_shape(3, max_blocks=2, partitions=8)
+    shape = decode_shape(3, max_blocks=2, partitions=8, invariant=True)
     f = naive([], shape)
     assert build_metadata([], shape, BLOCK, DUMMY, QUERY_ROWS).tolist() == [v for name in FIELDS for v in f[name]]
 
 
 @given(batches())
-def test_gemm_tiles_cover_the_rows_by_class(batch):
-    shape = step_shape(batch, partition=512, query_rows=QUERY_ROWS)
+def test_invariant_gemm_tiles_cover_the_rows_by_class(batch):
+    shape = step_shape(batch, partition=512, query_rows=QUERY_ROWS, invariant=True)
     tiles = shape.gemm_tiles()
     assert [r for r, _ in tiles] == sorted(r for r, _ in tiles)
     assert sum(n for _, n in tiles) == shape.rows >= shape.tokens
     assert all(n == (GENERATED_TILE if r < shape.generated_rows else PROMPT_TILE) for r, n in tiles)
+    assert shape.head_tiles() == [(r, GENERATED_TILE) for r in range(0, shape.head_rows, GENERATED_TILE)]
+    assert shape.head_rows >= shape.samples
+
+
+@given(batches())
+def test_one_gemm_over_unpadded_rows_by_default(batch):
+    shape = step_shape(batch, partition=512, query_rows=QUERY_ROWS, invariant=False)
+    assert shape.rows == shape.tokens == sum(s.num_tokens for s in batch)
+    assert shape.gemm_tiles() == [(0, shape.tokens)]
+    assert shape.head_tiles() == ([(0, shape.samples)] if shape.samples else [])

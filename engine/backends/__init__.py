@@ -39,8 +39,10 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
-def create_backend(device: str, config: ModelConfig, weights: Weights, cuda_graphs: bool = True):
-    """The backend for --device auto|cpu|cuda; auto takes cuda when it can run."""
+def create_backend(device: str, config: ModelConfig, weights: Weights, cuda_graphs: bool = True,
+                   batch_invariant: bool = False):
+    """The backend for --device auto|cpu|cuda; auto takes cuda when it can run. The
+    numpy backend is batch-invariant whatever `batch_invariant` says."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda, not {device!r}")
     if device in ("auto", "cuda"):
@@ -49,7 +51,7 @@ def create_backend(device: str, config: ModelConfig, weights: Weights, cuda_grap
             from engine.backends.cuda_backend import CudaBackend
 
             log.info("device %s: using the CUDA backend", device)
-            return CudaBackend(config, weights, cuda_graphs=cuda_graphs)
+            return CudaBackend(config, weights, cuda_graphs=cuda_graphs, batch_invariant=batch_invariant)
         if device == "cuda":
             raise RuntimeError(f"--device cuda, but {reason}; use --device cpu or auto")
         log.info("device auto: using the numpy backend on the CPU (%s)", reason)

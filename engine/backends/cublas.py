@@ -3,6 +3,10 @@
 Weights are row-major [out, in], activations row-major [tokens, in]. cuBLAS is
 column-major, where a row-major [r, c] matrix reads as [c, r]; so Y = X W^T is asked
 for as Y^T = op(W) X^T with op(W) = transpose: nothing is transposed in memory.
+
+The library is loaded as a PyDLL: its calls keep the GIL. They only queue work on
+the stream and return in microseconds, and giving the GIL up around each one would
+let the server's threads take it, each time, for up to Python's switch interval.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def load_cublas() -> ctypes.CDLL:
     for place in _candidates():
         name = "libcublas.so" if place.endswith("(the loader path)") else place
         try:
-            return ctypes.CDLL(name)
+            return ctypes.PyDLL(name)
         except OSError as e:
             tried.append(f"{place}: {e}")
     raise CublasError(

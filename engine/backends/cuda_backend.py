@@ -22,9 +22,7 @@ from pycuda.tools import DeviceMemoryPool
 
 from engine.backends.cublas import Cublas, CublasError
 from engine.backends.cuda_graph import CudaGraph
-from engine.backends.step_metadata import (
-    FIELDS, GENERATED_TILE, StepShape, build_metadata, decode_shape, field_sizes, step_shape,
-)
+from engine.backends.step_metadata import FIELDS, StepShape, build_metadata, decode_shape, field_sizes, step_shape
 from engine.config import ModelConfig
 from engine.sampler import SampleOutput, TokenLogprob, log_softmax
 from engine.scheduler import ScheduledSeq
@@ -36,6 +34,7 @@ PARTITION = 512  # context positions per attention thread block
 ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS = 128  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
+GEMV_ROWS, GEMV_OUTPUTS, GEMV_THREADS = 8, 4, 256  # GEMV_ROWS, OUTPUTS and GEMV_WARPS * 32 in gemv.cu
 
 
 def prefill_query_rows(head_dim: int, group: int) -> int:
@@ -60,6 +59,7 @@ class Kernels:
         "paged_attention_merge": ("attention.cu", "PPPPi"),
         "prefill_attention_partial": ("attention.cu", "PPPPPPPiPPPiiiif"),
         "silu_and_mul": ("activation.cu", "PPi"),
+        "gemv": ("gemv.cu", "PiPPiii"),
         "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
         "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
     }
@@ -81,12 +81,12 @@ class StepBuffers:
     """Device memory for one step of a given shape: int32 metadata, then activations."""
 
     def __init__(self, c: ModelConfig, shape: StepShape, empty):
-        T, S, P = shape.tokens, shape.samples, shape.partitions
+        T, P = shape.tokens, shape.partitions
         sizes = field_sizes(shape)
         self.meta = empty((sum(sizes),), np.int32)
         offsets = np.cumsum([0] + sizes)
         self.meta_ptr = {name: np.uintp(int(self.meta.gpudata) + 4 * int(o)) for name, o in zip(FIELDS, offsets)}
-        rows, sample_rows = shape.rows, max(1, -(-S // GENERATED_TILE)) * GENERATED_TILE
+        rows, sample_rows = shape.rows, max(1, shape.head_rows)
         self.residual = empty((T, c.hidden_size), np.float32)
         self.h = empty((rows, c.hidden_size), np.uint16)
         self.qkv = empty((rows, c.q_size + 2 * c.kv_size), np.uint16)
@@ -105,7 +105,8 @@ class DecodeGraphs:
     """One captured decode step per batch-size bucket, for batches of single-token
     decodes (of generated tokens: prompt tokens take other GEMM tiles) whose contexts
     fit `max_context`; padding rows use the dummy KV block.
-    Replays compute exactly what eager steps do (the same kernels and GEMM tiles)."""
+    Replays run the same kernels as eager steps, over the bucket's rows: with batch
+    invariance on they compute exactly what eager steps do."""
 
     def __init__(self, backend: "CudaBackend", max_batch: int, max_context: int):
         self.backend = backend
@@ -130,7 +131,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int):
         be = self.backend
-        shape = decode_shape(size, self.max_blocks, math.ceil(self.max_context / PARTITION))
+        shape = decode_shape(size, self.max_blocks, math.ceil(self.max_context / PARTITION), be.batch_invariant)
         buffers = StepBuffers(be.config, shape, lambda sh, dt: gpuarray.empty(sh, dt))
         buffers.meta.set(be._metadata([], shape))  # all padding: valid to run
         be._launch(buffers, shape)  # once eagerly, so cuBLAS settles its choices outside the capture
@@ -148,10 +149,11 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, config: ModelConfig, weights: Weights, device: int = 0, cuda_graphs: bool = True,
-                 graph_max_batch: int = 256, graph_max_context: int = 4096):
+                 graph_max_batch: int = 256, graph_max_context: int = 4096, batch_invariant: bool = False):
         if config.head_dim not in (64, 128) or config.num_heads // config.num_kv_heads > 8:
             raise ValueError("the CUDA attention kernels need head_dim 64 or 128 and at most 8 heads per KV head")
         self.config = config
+        self.batch_invariant = batch_invariant  # GEMMs in fixed tiles: see step_metadata
         cuda.init()
         self.device = cuda.Device(device)
         self.ctx = self.device.retain_primary_context()
@@ -277,8 +279,7 @@ class CudaBackend:
         if S:
             k.add_rmsnorm.prepared_async_call((S, 1), (256, 1, 1), st, _ptr(b.residual), has_delta, _ptr(self.final_norm),
                                               _ptr(b.final), m["sample_rows"], np.int32(H), eps)
-            head_tiles = [(r, GENERATED_TILE) for r in range(0, S, GENERATED_TILE)]
-            self._linear(b.logits, b.final, self.lm_head, head_tiles, H, c.vocab_size)
+            self._linear(b.logits, b.final, self.lm_head, shape.head_tiles(), H, c.vocab_size)
 
     def _attention(self, b: StepBuffers, shape: StepShape, kc: gpuarray.GPUArray, vc: gpuarray.GPUArray) -> None:
         """Partial results per context partition, for decode rows (and the padding between
@@ -308,7 +309,7 @@ class CudaBackend:
             buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
             replay.launch()
             return buffers.logits[: len(batch)]
-        shape = step_shape(batch, PARTITION, self.query_rows)
+        shape = step_shape(batch, PARTITION, self.query_rows, self.batch_invariant)
         buffers = StepBuffers(self.config, shape, self._empty)
         buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
         self._launch(buffers, shape)
@@ -318,12 +319,19 @@ class CudaBackend:
 
     def _linear(self, y: gpuarray.GPUArray, x: gpuarray.GPUArray, w: gpuarray.GPUArray, tiles: list[tuple[int, int]],
                 d_in: int, d_out: int) -> None:
-        """y = x @ w^T, one GEMM per (first row, rows) tile: fixed shapes keep the
-        result of each row independent of the batch (see step_metadata)."""
+        """y = x @ w^T, one GEMM per (first row, rows) tile (see step_metadata): our GEMV
+        for a tile of a few rows (only ever a whole step's rows: batch-invariant tiles
+        are larger), cuBLAS otherwise."""
         out_f32 = y.dtype == np.float32
         y_row, x_row = d_out * y.dtype.itemsize, d_in * 2
         for r, rows in tiles:
-            self.blas.linear(int(y.gpudata) + r * y_row, int(x.gpudata) + r * x_row, int(w.gpudata), rows, d_in, d_out, out_f32)
+            y_ptr, x_ptr = int(y.gpudata) + r * y_row, int(x.gpudata) + r * x_row
+            if rows <= GEMV_ROWS and d_in % 8 == 0:
+                self.kernels.gemv.prepared_async_call((-(-d_out // GEMV_OUTPUTS), 1), (GEMV_THREADS, 1, 1), self.stream,
+                                                      np.uintp(y_ptr), np.int32(out_f32), np.uintp(x_ptr), _ptr(w),
+                                                      np.int32(rows), np.int32(d_in), np.int32(d_out))
+            else:
+                self.blas.linear(y_ptr, x_ptr, int(w.gpudata), rows, d_in, d_out, out_f32)
 
     def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
         """Logits of the sampling sequences, on the host (for tests and logprobs)."""

@@ -13,7 +13,7 @@ _lib: ctypes.CDLL | None = None
 def _driver() -> ctypes.CDLL:
     global _lib
     if _lib is None:
-        _lib = ctypes.CDLL("libcuda.so.1")
+        _lib = ctypes.PyDLL("libcuda.so.1")  # keeps the GIL: these calls only queue work (see cublas.py)
     return _lib
 
 

@@ -2,14 +2,16 @@
 is tested without a GPU): token ids, positions, KV-cache slots, the sequence of each
 row, row indices, the rows that reach the head, and the block tables.
 
-Rows are laid out for batch-invariant GEMMs. cuBLAS picks its algorithm by shape, so
-every GEMM runs over tiles of a fixed number of rows, and a row's result depends only
-on its tile size, never on the other rows. Tokens the model generated (decode) come
-first, in tiles of GENERATED_TILE rows; prompt tokens (prefill) follow in tiles of
-PROMPT_TILE rows, so that a long prompt reads the weights once per PROMPT_TILE tokens
-instead of once per GENERATED_TILE. A token's class depends on its position only,
-so it is computed the same way alone, batched or recomputed after preemption. Rows
-that pad a tile are dummy tokens that read and write only the dummy KV block.
+By default each GEMM runs once over all of a step's rows, and cuBLAS picks its best
+algorithm for that row count. cuBLAS picks by shape, so a token's result can then
+differ by an ulp with the batch it runs in. With batch invariance on, rows are laid
+out for GEMMs of fixed shapes instead, and a row's result depends only on its tile
+size, never on the other rows. Tokens the model generated (decode) come first, in
+tiles of GENERATED_TILE rows; prompt tokens (prefill) follow in tiles of PROMPT_TILE
+rows, so that a long prompt reads the weights once per PROMPT_TILE tokens instead of
+once per GENERATED_TILE. A token's class depends on its position only, so it is
+computed the same way alone, batched or recomputed after preemption. Rows that pad a
+tile are dummy tokens that read and write only the dummy KV block.
 
 Attention follows the same classes: generated rows go through the decode kernel
 (paged_attention_partial), prompt rows through prefill_attention, in query tiles of up
@@ -39,6 +41,7 @@ class StepShape:
     seqs: int  # block-table rows
     max_blocks: int  # block-table width
     partitions: int  # decode attention partitions
+    invariant: bool  # GEMMs in fixed tiles (batch invariance), not one over all rows
 
     @property
     def tokens(self) -> int:
@@ -48,12 +51,25 @@ class StepShape:
     @property
     def rows(self) -> int:
         """Rows of the activation buffers: whole GEMM tiles."""
-        return self.generated_rows + _round_up(self.prompt, PROMPT_TILE)
+        return self.generated_rows + _round_up(self.prompt, PROMPT_TILE if self.invariant else 1)
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of the head's buffers: whole tiles of the sampled rows."""
+        return sum(n for _, n in self.head_tiles())
 
     def gemm_tiles(self) -> list[tuple[int, int]]:
-        """(first row, rows) of each GEMM tile."""
+        """(first row, rows) of each GEMM over the step's tokens."""
+        if not self.invariant:
+            return [(0, self.rows)]
         return ([(r, GENERATED_TILE) for r in range(0, self.generated_rows, GENERATED_TILE)]
                 + [(r, PROMPT_TILE) for r in range(self.generated_rows, self.rows, PROMPT_TILE)])
+
+    def head_tiles(self) -> list[tuple[int, int]]:
+        """(first row, rows) of each GEMM of the head, over the sampled rows."""
+        if not self.invariant:
+            return [(0, self.samples)] if self.samples else []
+        return [(r, GENERATED_TILE) for r in range(0, max(1, self.samples), GENERATED_TILE)]
 
 
 FIELDS = ("ids", "positions", "slots", "token_seq", "all_rows", "sample_rows", "tables", "prompt_tiles")
@@ -73,25 +89,27 @@ def _prompt_counts(batch: list[ScheduledSeq]) -> np.ndarray:
     return np.array([max(0, min(s.start + s.num_tokens, len(s.seq.prompt_ids)) - s.start) for s in batch], np.int64)
 
 
-def step_shape(batch: list[ScheduledSeq], partition: int, query_rows: int) -> StepShape:
+def step_shape(batch: list[ScheduledSeq], partition: int, query_rows: int, invariant: bool) -> StepShape:
     prompt = _prompt_counts(batch)
     generated = sum(s.num_tokens for s in batch) - int(prompt.sum())
     return StepShape(
         generated=generated,
-        generated_rows=_round_up(generated, GENERATED_TILE),
+        generated_rows=_round_up(generated, GENERATED_TILE if invariant else 1),
         prompt=int(prompt.sum()),
         prompt_tiles=int((-(-prompt // query_rows)).sum()),
         samples=sum(s.samples for s in batch),
         seqs=len(batch),
         max_blocks=max(len(s.seq.block_table) for s in batch),
         partitions=math.ceil(max(s.start + s.num_tokens for s in batch) / partition),
+        invariant=invariant,
     )
 
 
-def decode_shape(batch_size: int, max_blocks: int, partitions: int) -> StepShape:
+def decode_shape(batch_size: int, max_blocks: int, partitions: int, invariant: bool) -> StepShape:
     """The shape of a CUDA graph's decode step: `batch_size` sampling decodes."""
-    return StepShape(generated=batch_size, generated_rows=_round_up(batch_size, GENERATED_TILE), prompt=0,
-                     prompt_tiles=0, samples=batch_size, seqs=batch_size, max_blocks=max_blocks, partitions=partitions)
+    return StepShape(generated=batch_size, generated_rows=_round_up(batch_size, GENERATED_TILE if invariant else 1),
+                     prompt=0, prompt_tiles=0, samples=batch_size, seqs=batch_size, max_blocks=max_blocks,
+                     partitions=partitions, invariant=invariant)
 
 
 def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int, dummy_block: int,
