@@ -14,7 +14,6 @@ from engine.model_loader import LoadedModel, load_model
 from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from tests.pki import make_pki
 
 # Under CI the property tests draw the same examples every run (a failure found by
 # exploring locally is kept in the example database and shows up there first).
@@ -76,5 +75,8 @@ def text(outputs: list[RequestOutput]) -> str:
 
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory) -> dict[str, Path]:
-    """Throwaway certificates (tests/pki.py)."""
+    """Throwaway certificates (tests/pki.py; imported here, so that the GPU tests and
+    benchmarks, which import this module, do not need cryptography)."""
+    from tests.pki import make_pki
+
     return make_pki(tmp_path_factory.mktemp("pki"))
