@@ -34,7 +34,8 @@ PARTITION = 512  # context positions per attention thread block
 ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS = 128  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
-GEMV_ROWS, GEMV_OUTPUTS, GEMV_THREADS = 8, 4, 256  # GEMV_ROWS, OUTPUTS and GEMV_WARPS * 32 in gemv.cu
+GEMV_MAX_ROWS, GEMV_WARPS = 8, 4  # as in gemv.cu
+GEMV_ROWS = 4  # steps of up to this many rows take our GEMV instead of cuBLAS (bench/profile_step.py)
 
 
 def prefill_query_rows(head_dim: int, group: int) -> int:
@@ -327,11 +328,15 @@ class CudaBackend:
         for r, rows in tiles:
             y_ptr, x_ptr = int(y.gpudata) + r * y_row, int(x.gpudata) + r * x_row
             if rows <= GEMV_ROWS and d_in % 8 == 0:
-                self.kernels.gemv.prepared_async_call((-(-d_out // GEMV_OUTPUTS), 1), (GEMV_THREADS, 1, 1), self.stream,
-                                                      np.uintp(y_ptr), np.int32(out_f32), np.uintp(x_ptr), _ptr(w),
-                                                      np.int32(rows), np.int32(d_in), np.int32(d_out))
+                self.gemv(y_ptr, x_ptr, w, rows, d_in, d_out, out_f32)
             else:
                 self.blas.linear(y_ptr, x_ptr, int(w.gpudata), rows, d_in, d_out, out_f32)
+
+    def gemv(self, y: int, x: int, w: gpuarray.GPUArray, rows: int, d_in: int, d_out: int, out_f32: bool) -> None:
+        """y = x @ w^T by gemv.cu, for up to GEMV_MAX_ROWS rows."""
+        self.kernels.gemv.prepared_async_call((-(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1), self.stream,
+                                              np.uintp(y), np.int32(out_f32), np.uintp(x), _ptr(w),
+                                              np.int32(rows), np.int32(d_in), np.int32(d_out))
 
     def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
         """Logits of the sampling sequences, on the host (for tests and logprobs)."""

@@ -20,7 +20,7 @@ import pycuda.gpuarray as gpuarray  # noqa: E402
 from engine.backends import numpy_backend as ref  # noqa: E402
 from engine.backends.cublas import Cublas  # noqa: E402
 from engine.backends.cuda_backend import (  # noqa: E402
-    ATTENTION_THREADS, GEMV_OUTPUTS, GEMV_THREADS, PARTITION, PREFILL_THREADS, Kernels, prefill_query_rows,
+    ATTENTION_THREADS, GEMV_WARPS, PARTITION, PREFILL_THREADS, Kernels, prefill_query_rows,
 )
 from engine.sampler import apply_penalties  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -199,7 +199,8 @@ def test_cublas_linear(cuda_context, tokens, d_in, d_out, out_f32):
 
 
 @pytest.mark.parametrize("rows, d_in, d_out, out_f32", [(1, 2048, 3072, False), (3, 8192, 2048, False),
-                                                        (8, 2048, 16384, False), (2, 2048, 128256, True), (5, 576, 1002, False)])
+                                                        (8, 2048, 16384, False), (2, 2048, 128256, True), (5, 576, 1002, False),
+                                                        (4, 1000, 33, False)])
 def test_gemv_matches_numpy_and_each_row_alone(kernels, rows, d_in, d_out, out_f32):
     x = RNG.standard_normal((rows, d_in)).astype(np.float32)
     w = RNG.standard_normal((d_out, d_in)).astype(np.float32) / np.sqrt(d_in)
@@ -207,7 +208,7 @@ def test_gemv_matches_numpy_and_each_row_alone(kernels, rows, d_in, d_out, out_f
 
     def gemv(n: int) -> np.ndarray:
         y = gpuarray.to_gpu(np.full((n, d_out), np.nan, np.float32)) if out_f32 else poisoned_bf16((n, d_out))
-        launch(kernels.gemv, (-(-d_out // GEMV_OUTPUTS), 1), (GEMV_THREADS, 1, 1), y, np.int32(out_f32), xg, wg,
+        launch(kernels.gemv, (-(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1), y, np.int32(out_f32), xg, wg,
                np.int32(n), np.int32(d_in), np.int32(d_out))
         return y.get() if out_f32 else bf16_bits_to_f32(y.get())
 

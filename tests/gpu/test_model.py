@@ -184,7 +184,10 @@ def test_continuous_batch_equals_alone(invariant_engine):
 
 def test_default_batch_stays_within_bfloat16_noise_of_alone(llama):
     """Without --batch-invariant a GEMM runs over the whole step, and cuBLAS picks its
-    kernel by row count: a batched token may round differently from alone, no more."""
+    kernel by row count: a batched token may round differently from alone, no more.
+    Rounding differences grow through the layers to about what separates two bfloat16
+    computations of the model (ours and transformers', 2-3e-2: test_last_logits_match_transformers);
+    a wrong row would be off by order 1."""
     _, engine = llama
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 128000, n).tolist() for n in (1, 30, 200, 700)]
@@ -199,7 +202,7 @@ def test_default_batch_stays_within_bfloat16_noise_of_alone(llama):
             engine.block_manager.free(seq)
     errors = [rel_l2(b, a) for a, b in zip(alone, together)]
     print(f"\nbatched against alone, default GEMMs: rel. L2 of logits {', '.join(f'{e:.1e}' for e in errors)}")
-    assert max(errors) < 1e-2
+    assert max(errors) < 3e-2
 
 
 def test_cuda_graph_replays_equal_eager_steps(invariant_engine):
