@@ -59,9 +59,12 @@ def main() -> None:
     for s in seqs:
         engine.add(s)
     generated, steps = 0, 0
-    while engine.has_work():
-        generated += sum(len(o.token_ids) for o in engine.step())
-        steps += 1
+
+    def count(deltas) -> None:
+        nonlocal generated
+        generated += sum(len(o.token_ids) for o in deltas)
+    while engine.has_work():  # as the server steps
+        steps += engine.step_overlapped(count)
     elapsed = time.perf_counter() - start
     assert generated == output_lens.sum()
     # floor at batch B = all requests, mean context = mean prompt + half the mean output

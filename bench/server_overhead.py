@@ -55,13 +55,22 @@ class EmulatedBackend:
         pass
 
     def execute(self, batch):
+        return self.launch(batch)()
+
+    def launch(self, batch):
+        """Host work now; the GPU's time runs from here, and the returned wait() sleeps out the rest."""
         busy_until = time.perf_counter() + self.host_s
         while time.perf_counter() < busy_until:  # host work, the GIL held
             pass
         for _ in range(self.gil_releases):
             time.sleep(0)  # a short call that drops the GIL and takes it back
-        time.sleep(self.step_s)
-        return [SampleOutput(s.seq.num_tokens % 200 + 10, None) if s.samples else None for s in batch]
+        done_at = time.perf_counter() + self.step_s
+        samples = [SampleOutput(s.seq.num_tokens % 200 + 10, None) if s.samples else None for s in batch]
+
+        def wait():
+            time.sleep(max(0.0, done_at - time.perf_counter()))
+            return samples
+        return wait
 
 
 def workload(vocab: int, n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -76,8 +85,12 @@ def in_process(backend: EmulatedBackend, prompts, outputs) -> float:
     for i, (ids, n) in enumerate(zip(prompts, outputs)):
         engine.add(engine.make_sequence(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
     start, tokens = time.perf_counter(), 0
-    while engine.has_work():
-        tokens += sum(len(o.token_ids) for o in engine.step())
+
+    def count(deltas) -> None:
+        nonlocal tokens
+        tokens += sum(len(o.token_ids) for o in deltas)
+    while engine.has_work():  # as the server steps
+        engine.step_overlapped(count)
     return tokens / (time.perf_counter() - start)
 
 

@@ -2,7 +2,8 @@
 
 RPC handlers call `submit` and `abort` from their own threads; both only enqueue.
 The loop applies them between steps, steps while there is work, and pushes each
-request's deltas to that request's own queue.
+request's deltas to that request's own queue. It emits a step's deltas (detokenizing,
+stop strings, the hand-over to the streams) while the backend computes the next step.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class EngineLoop:
             if not self.engine.has_work():
                 continue
             try:
-                outputs = self.engine.step()
+                self.engine.step_overlapped(self._dispatch)
             except Exception as e:  # a fault fails the requests of this step only...
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 error = f"engine fault: {type(e).__name__}: {e}"
@@ -92,7 +93,7 @@ class EngineLoop:
                         self.on_fatal(error)
                     self._dispatch(outputs + self.engine.fail_all(error))
                     return
-            self._dispatch(outputs)
+                self._dispatch(outputs)
 
     def _apply_inbox(self, block: bool) -> None:
         try:

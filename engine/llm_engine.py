@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.block_manager import BlockManager
 from engine.model_loader import LoadedModel
 from engine.output import OutputStream, RequestOutput, Usage
+from engine.sampler import SampleOutput
 from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -37,7 +39,9 @@ class LLMEngine:
         cache_tokens = config.num_kv_blocks * config.block_size
         self.max_model_len = min(model.config.max_position_embeddings, cache_tokens, config.max_model_len or cache_tokens)
         self._streams: dict[str, OutputStream] = {}
-        self._last_batch: list[ScheduledSeq] = []
+        self._last_batch: list[ScheduledSeq] = []  # the batch begun last, until it ends
+        self._wait: Callable[[], list[SampleOutput | None]] | None = None  # its samples, when they are ready
+        self._unsent: list[OutputStream] = []  # streams with recorded tokens not yet emitted
 
     # -- admission (pure: safe to call from any thread) -------------------------
     def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -71,7 +75,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._unsent)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         stream = self._streams.get(request_id)
@@ -80,30 +84,74 @@ class LLMEngine:
         return self._finish(stream.seq, RequestOutput(request_id, finish_reason=FinishReason.ABORT))
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return this step's deltas (finished requests' last ones included)."""
+        """Run one batch; return its deltas (finished requests' last ones included)."""
+        if self.begin_step():
+            self.end_step()
+        return self.emit()
+
+    def step_overlapped(self, on_deltas: Callable[[list[RequestOutput]], None]) -> bool:
+        """One step with the host work of the previous one hidden under it: begin this
+        step's batch, hand the previous step's deltas to `on_deltas` while the backend
+        computes, then wait for the batch. Its deltas come out of the next call
+        (has_work() stays true until they have). False if no batch ran."""
+        launched = self.begin_step()
+        on_deltas(self.emit())
+        if launched:
+            self.end_step()
+        return launched
+
+    # The parts of a step: begin_step, end_step, emit.
+    def begin_step(self) -> bool:
+        """Schedule a batch and queue it on the backend; False if nothing was scheduled."""
         batch = self._last_batch = self.scheduler.schedule()
         if not batch:
-            return []
-        samples = self.backend.execute(batch)
-        outputs = []
-        for scheduled, sample in zip(batch, samples):
+            return False
+        launch = getattr(self.backend, "launch", None)
+        if launch is None:
+            samples = self.backend.execute(batch)
+            self._wait = lambda: samples
+        else:
+            self._wait = launch(batch)
+        return True
+
+    def end_step(self) -> None:
+        """Wait for the batch begun last, record its tokens and take the sequences that
+        hit a stop token or their length out of the schedule. Deltas wait for emit()."""
+        wait, self._wait = self._wait, None
+        samples = wait()
+        for scheduled, sample in zip(self._last_batch, samples):
             seq = scheduled.seq
+            if seq.is_finished:  # ended by a stop string while this step ran: drop its token
+                continue
             seq.num_computed_tokens += scheduled.num_tokens
             if sample is None:
                 continue
-            out = self._streams[seq.request_id].append(sample)
-            outputs.append(self._finish(seq, out) if out.finished else out)
+            stream = self._streams[seq.request_id]
+            if stream.record(sample):
+                self.scheduler.finish(seq)
+            self._unsent.append(stream)
         self._last_batch = []
+
+    def emit(self) -> list[RequestOutput]:
+        """The deltas of the tokens recorded since the last call."""
+        outputs = []
+        for stream in self._unsent:
+            if self._streams.get(stream.seq.request_id) is stream:  # (not aborted or failed since)
+                out = stream.emit()
+                outputs.append(self._finish(stream.seq, out) if out.finished else out)
+        self._unsent = []
         return outputs
 
     def fail_step(self, error: str) -> list[RequestOutput]:
-        """After a step raised: end the requests of that step with an error; the rest go on."""
+        """After begin_step, end_step or emit raised: end the requests they were working
+        on with an error; the rest go on."""
+        doomed = [s.seq for s in self._last_batch] + [stream.seq for stream in self._unsent]
         failed = [
-            self._finish(s.seq, RequestOutput(s.seq.request_id, finish_reason=FinishReason.ERROR, error=error))
-            for s in self._last_batch
-            if not s.seq.is_finished
+            self._finish(seq, RequestOutput(seq.request_id, finish_reason=FinishReason.ERROR, error=error))
+            for seq in doomed
+            if seq.request_id in self._streams  # (checked as the list is built: each fails once)
         ]
-        self._last_batch = []
+        self._last_batch, self._wait, self._unsent = [], None, []
         return failed
 
     def fail_all(self, error: str) -> list[RequestOutput]:

@@ -59,7 +59,12 @@ def _partial_stop_suffix(text: str, stops: list[str]) -> int:
 
 
 class OutputStream:
-    """Per sequence: appends sampled tokens, applies the stop rules, yields deltas.
+    """Per sequence: records sampled tokens, applies the stop rules, yields deltas.
+
+    Recording is cheap and happens as soon as a step's tokens are back: it decides the
+    stops the next step's schedule needs (a stop token, the length). Emitting does the
+    rest (detokenizing, stop strings) and may run while the GPU computes the next step;
+    a stop string found then drops the tokens recorded after it.
 
     Stop strings are never emitted, so text that could still be the start of one
     is held back until it can no longer match.
@@ -73,28 +78,45 @@ class OutputStream:
         self.longest_stop = max((len(s) for s in seq.params.stop), default=0)
         # (both are banned before min_tokens, so sampling one means the end)
         self.stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(seq.eos_token_ids))
+        self.unsent: list[SampleOutput] = []  # recorded, not yet emitted
+        self.finish_reason: FinishReason | None = None  # set by record(): a stop token or the length
 
-    def append(self, sample: SampleOutput) -> RequestOutput:
-        seq, params = self.seq, self.seq.params
-        token = sample.token_id
-        seq.output_ids.append(token)
+    def record(self, sample: SampleOutput) -> bool:
+        """Append a sampled token to the sequence; True if it ends the sequence."""
+        seq = self.seq
+        seq.output_ids.append(sample.token_id)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
-        out = RequestOutput(seq.request_id, token_ids=[token])
-        if sample.logprob is not None:
-            out.logprobs.append(sample.logprob)
+        self.unsent.append(sample)
+        if sample.token_id in self.stop_ids:
+            self.finish_reason = FinishReason.STOP
+        elif len(seq.output_ids) >= seq.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason is not None
 
-        if token in self.stop_ids:
-            out.finish_reason, out.stop_token_id = FinishReason.STOP, token
-            self.text += self.detokenizer.flush()
-        else:
+    def emit(self) -> RequestOutput:
+        """The delta of the tokens recorded since the last call."""
+        seq, params = self.seq, self.seq.params
+        out = RequestOutput(seq.request_id)
+        first = len(seq.output_ids) - len(self.unsent)  # index of the first unsent token
+        for i, sample in enumerate(self.unsent):
+            token, last = sample.token_id, i == len(self.unsent) - 1
+            out.token_ids.append(token)
+            if sample.logprob is not None:
+                out.logprobs.append(sample.logprob)
+            if last and self.finish_reason is FinishReason.STOP:  # a stop token: not part of the text
+                out.finish_reason, out.stop_token_id = FinishReason.STOP, token
+                self.text += self.detokenizer.flush()
+                break
             searched_from = len(self.text) - self.longest_stop + 1
             self.text += self.detokenizer.add(token)
-            if params.stop and len(seq.output_ids) >= params.min_tokens:
-                self._match_stop_string(out, max(0, searched_from))
-            if out.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
+            if params.stop and first + i + 1 >= params.min_tokens and self._match_stop_string(out, max(0, searched_from)):
+                del seq.output_ids[first + i + 1 :]  # recorded past the stop string
+                break
+            if last and self.finish_reason is FinishReason.LENGTH:
                 out.finish_reason = FinishReason.LENGTH
                 self.text += self.detokenizer.flush()
+        self.unsent.clear()
 
         end = len(self.text)
         if params.stop and not out.finished:  # hold back what may still become a stop string
@@ -103,9 +125,10 @@ class OutputStream:
         self.sent = max(self.sent, end)
         return out
 
-    def _match_stop_string(self, out: RequestOutput, searched_from: int) -> None:
+    def _match_stop_string(self, out: RequestOutput, searched_from: int) -> bool:
         hits = [(i, s) for s in self.seq.params.stop if (i := self.text.find(s, searched_from)) >= 0]
         if hits:
             index, stop = min(hits)
             self.text = self.text[:index]
             out.finish_reason, out.stop_string = FinishReason.STOP, stop
+        return bool(hits)

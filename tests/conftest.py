@@ -45,8 +45,9 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 
 def run(engine: LLMEngine, seqs: list[Sequence], arrivals: dict[int, list[Sequence]] | None = None,
-        check_blocks: bool = True) -> dict[str, list[RequestOutput]]:
-    """Step the engine until idle; `arrivals` adds sequences before the given step."""
+        check_blocks: bool = True, overlapped: bool = False) -> dict[str, list[RequestOutput]]:
+    """Step the engine until idle; `arrivals` adds sequences before the given step.
+    `overlapped` steps as EngineLoop does (LLMEngine.step_overlapped)."""
     arrivals = dict(arrivals or {})
     for s in seqs:
         engine.add(s)
@@ -55,7 +56,12 @@ def run(engine: LLMEngine, seqs: list[Sequence], arrivals: dict[int, list[Sequen
     while engine.has_work() or arrivals:
         for s in arrivals.pop(step, []):
             engine.add(s)
-        for out in engine.step():
+        if overlapped:
+            emitted = []
+            engine.step_overlapped(emitted.extend)
+        else:
+            emitted = engine.step()
+        for out in emitted:
             outputs.setdefault(out.request_id, []).append(out)
         if check_blocks:
             live = engine.scheduler.running + list(engine.scheduler.waiting)

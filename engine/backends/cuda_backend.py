@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pycuda.driver as cuda
@@ -35,7 +36,7 @@ ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS = 128  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
 GEMV_MAX_ROWS, GEMV_WARPS = 8, 4  # as in gemv.cu
-GEMV_ROWS = 4  # steps of up to this many rows take our GEMV instead of cuBLAS (bench/profile_step.py)
+GEMV_ROWS = 1  # steps of up to this many rows take our GEMV, not cuBLAS (bench/profile_step.py's gemm table)
 
 
 def prefill_query_rows(head_dim: int, group: int) -> int:
@@ -169,6 +170,8 @@ class CudaBackend:
             self.blas = Cublas(self.stream.handle, int(self.workspace), WORKSPACE_BYTES)
             self._upload_weights(weights)
             self.inv_freq = gpuarray.to_gpu(config.rope_inv_freq())
+            self._tokens_host = cuda.pagelocked_empty(256, np.int32)  # sampled tokens come back here
+            self._step_done = cuda.Event()
         log.info("CUDA backend on %s: %.2f GB of bfloat16 weights", self.device.name(), self.weight_bytes / 1e9)
         self.block_size = 0
         self.dummy_block = 0  # a KV block no sequence owns: padding rows of graphs use it
@@ -346,16 +349,27 @@ class CudaBackend:
         return logits
 
     def execute(self, batch: list[ScheduledSeq]) -> list[SampleOutput | None]:
+        return self.launch(batch)()
+
+    def launch(self, batch: list[ScheduledSeq]) -> Callable[[], list[SampleOutput | None]]:
+        """Queue the step (forward pass, sampling, the copy of the chosen tokens to the
+        host) and return at once; the returned function waits for its samples."""
         sampling = [s.seq for s in batch if s.samples]
         with self._context():
-            logits = self._forward(batch)
-            outputs = self._sample(logits, sampling) if sampling else []
-            self.stream.synchronize()
-        it = iter(outputs)
-        return [next(it) if s.samples else None for s in batch]
+            collect = self._sample(self._forward(batch), sampling) if sampling else list
+            self._step_done.record(self.stream)
+
+        def wait() -> list[SampleOutput | None]:
+            with self._context():
+                self._step_done.synchronize()  # (without the GIL: the server's threads run meanwhile)
+                outputs = iter(collect())
+            return [next(outputs) if s.samples else None for s in batch]
+        return wait
 
     # -- sampling -------------------------------------------------------------------
-    def _sample(self, logits: gpuarray.GPUArray, seqs) -> list[SampleOutput]:
+    def _sample(self, logits: gpuarray.GPUArray, seqs) -> Callable[[], list[SampleOutput]]:
+        """Queue sampling and the copy of the tokens to the host; return what reads them
+        once the stream has got that far."""
         st, S, V = self.stream, len(seqs), self.config.vocab_size
         raw = {}
         wants = [i for i, q in enumerate(seqs) if q.params.top_logprobs is not None]
@@ -378,17 +392,22 @@ class CudaBackend:
         args = [np.uintp(int(uploaded.gpudata) + 4 * S * i) for i in range(len(fields))]
         out = self._empty((S,), np.int32)
         self.kernels.sample_tokens.prepared_async_call((S, 1), (1024, 1, 1), st, _ptr(out), _ptr(logits), np.int32(V), *args)
-        tokens = out.get(stream=st)
-        st.synchronize()
-        results = []
-        for i, (q, t) in enumerate(zip(seqs, tokens.tolist())):
-            lp = None
-            if i in raw:
-                n = q.params.top_logprobs
-                top = np.argsort(-raw[i], kind="stable")[:n]
-                lp = TokenLogprob(t, float(raw[i][t]), [(int(j), float(raw[i][j])) for j in top])
-            results.append(SampleOutput(t, lp))
-        return results
+        if len(self._tokens_host) < S:
+            self._tokens_host = cuda.pagelocked_empty(max(S, 2 * len(self._tokens_host)), np.int32)
+        tokens = self._tokens_host[:S]
+        cuda.memcpy_dtoh_async(tokens, out.gpudata, st)
+
+        def collect() -> list[SampleOutput]:
+            results = []
+            for i, (q, t) in enumerate(zip(seqs, tokens.tolist())):
+                lp = None
+                if i in raw:
+                    n = q.params.top_logprobs
+                    top = np.argsort(-raw[i], kind="stable")[:n]
+                    lp = TokenLogprob(t, float(raw[i][t]), [(int(j), float(raw[i][j])) for j in top])
+                results.append(SampleOutput(t, lp))
+            return results
+        return collect
 
     def _apply_penalties(self, logits: gpuarray.GPUArray, seqs) -> None:
         rows, toks, counts, banned = [], [], [], []

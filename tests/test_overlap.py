@@ -1,0 +1,51 @@
+"""Overlapped stepping (EngineLoop's: a step's deltas are emitted while the next step
+runs) emits exactly what plain steps do, stop strings included: a sequence that a
+stop string ends has already begun its next step, whose token is dropped."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from tests.conftest import make_engine, run, text, tokens
+
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Count to five.", "Name three colours."]
+
+
+def summary(outputs) -> dict[str, tuple]:
+    return {rid: (tokens(outs), text(outs), outs[-1].finish_reason, outs[-1].stop_string, outs[-1].stop_token_id,
+                  outs[-1].usage.completion_tokens) for rid, outs in outputs.items()}
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    return [smollm2.tokenizer.encode_chat([{"role": "user", "content": c}])[0] for c in CHATS]
+
+
+@pytest.fixture(scope="module")
+def stops(smollm2, prompts):
+    """A stop string from the middle of each prompt's greedy answer."""
+    engine = make_engine(smollm2)
+    outs = run(engine, [engine.make_sequence(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24))
+                        for i, p in enumerate(prompts)])
+    answers = [text(outs[f"r{i}"]) for i in range(len(prompts))]
+    assert all(len(a) > 20 for a in answers)
+    return [a[len(a) // 2 : len(a) // 2 + 3] for a in answers]
+
+
+@pytest.mark.parametrize("config", [dict(), dict(max_num_batched_tokens=16), dict(num_kv_blocks=8, max_num_batched_tokens=24)],
+                         ids=["one batch", "chunked prefill", "preemption"])
+def test_overlapped_steps_emit_what_plain_steps_do(smollm2, prompts, stops, config):
+    params = [SamplingParams(temperature=0.0, max_tokens=24, stop=[stops[0]]),  # a stop string
+              SamplingParams(temperature=0.0, max_tokens=24, stop=[stops[1]], min_tokens=2),
+              SamplingParams(temperature=0.0, max_tokens=5),  # its length
+              SamplingParams(temperature=0.8, seed=3, max_tokens=24)]  # eos, sampled
+    results = []
+    for overlapped in (False, True):
+        engine = make_engine(smollm2, **config)
+        seqs = [engine.make_sequence(f"r{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params))]
+        results.append(summary(run(engine, seqs[:2], {2: seqs[2:]}, overlapped=overlapped)))
+        assert (engine.scheduler.num_preemptions > 0) == ("num_kv_blocks" in config)
+    assert results[1] == results[0]
+    assert results[0]["r0"][3] == stops[0] and results[0]["r1"][3] == stops[1]
+    assert results[0]["r2"][2].name == "LENGTH"
