@@ -218,19 +218,38 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 }
 
 // Pass 1 for prompt tokens (prefill): the same partial results as
-// paged_attention_partial, computed with K/V shared through shared memory by a tile of
-// up to Q_ROWS query rows of one sequence at consecutive positions. grid: (query tiles,
-// kv_heads, partitions); block: PREFILL_THREADS, one thread per (query row, query head,
-// slice of DIMS dims). Every thread keeps its own online softmax over the partition's
-// positions, visited in the same order whatever the query tile, so a row's result does
-// not depend on the batch. tiles[i] = (first row, rows) of query tile i. Threads past
-// Q_ROWS * GROUP * SPLIT shadow the tile's last row and write nothing.
-#define PREFILL_THREADS 128
-#define DIMS 64                      // dims per thread
-#define SPLIT (HEAD_DIM / DIMS)      // threads per (query row, head)
-#define Q_ROWS (PREFILL_THREADS / (GROUP * SPLIT))
-#define KV_TILE 32
-#define CHUNK 8                      // positions scored before one softmax rescale
+// paged_attention_partial, on tensor cores (mma.sync m16n8k16, bfloat16 in, float32
+// accumulate), FlashAttention-2 style. A block takes a query tile of up to Q_POS
+// consecutive positions of one sequence with all GROUP query heads of its KV head:
+// M_TILE rows (position-major: row m is position m / GROUP, head m % GROUP), 16 per
+// warp. It walks the partition's context in KV_TILE-position tiles staged in shared
+// memory (V transposed, so that both products read 32-bit pairs), computes
+// S = Q K^T * scale, masks positions past the partition's end and the row's own
+// position, keeps an online softmax per row and accumulates O += P V with P rounded
+// to bfloat16 (as transformers' eager attention rounds its probabilities).
+// Every row visits the same positions in the same order whatever its tile, so its
+// result does not depend on the batch. grid: (query tiles, kv_heads, partitions);
+// tiles[i] = (first row, rows) of query tile i. Rows past the tile shadow its last
+// position and write nothing.
+#define PREFILL_THREADS 128            // 4 warps
+#define M_TILE 64                      // (position, head) rows per block: 16 per warp
+#define Q_POS (M_TILE / GROUP)         // query positions per tile (as the host's prefill_query_rows)
+#define KV_TILE 64
+#define PAD 8                          // bf16 of padding per shared row: conflict-free fragment reads
+#define DIM_BLOCKS (HEAD_DIM / 8)      // n8 blocks of the output
+#define POS_BLOCKS (KV_TILE / 8)       // n8 blocks of the scores
+
+__device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
 
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_partial(
     float* __restrict__ part_acc, float* __restrict__ part_max, float* __restrict__ part_sum,  // as above
@@ -238,73 +257,124 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_
     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ token_seq,
     const int* __restrict__ positions, const int* __restrict__ tiles,
     int heads, int kv_heads, int block_size, int partition, float scale) {
-    __shared__ float k_s[KV_TILE][HEAD_DIM], v_s[KV_TILE][HEAD_DIM];
+    __shared__ __align__(16) bf16 k_s[KV_TILE][HEAD_DIM + PAD];   // [position][dim]
+    __shared__ __align__(16) bf16 vt_s[HEAD_DIM][KV_TILE + PAD];  // [dim][position]
     const int kvh = blockIdx.y, part = blockIdx.z, first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
-    const int slice = threadIdx.x % SPLIT, g = threadIdx.x / SPLIT % GROUP, r = threadIdx.x / (SPLIT * GROUP);
-    const int row = first + min(r, rows - 1);  // threads past the tile shadow its last row
-    const int pos = positions[row];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group_id = lane >> 2, quad = lane & 3;
     const int begin = part * partition, end = min(positions[first + rows - 1] + 1, begin + partition);
     const int* table = block_tables + (size_t)token_seq[first] * max_blocks;
-    const int h = kvh * GROUP + g, d0 = slice * DIMS;
     const size_t width = (size_t)(heads + 2 * kv_heads) * HEAD_DIM;
 
-    float q[DIMS], acc[DIMS], m = -INFINITY, l = 0.f;
+    // This thread's two fragment rows: warp * 16 + group_id and 8 below it.
+    int row_t[2], row_h[2], row_pos[2];
+    bool row_valid[2];
 #pragma unroll
-    for (int i = 0; i < DIMS; i += VEC) load_bf16x8(qkv + row * width + (size_t)h * HEAD_DIM + d0 + i, q + i);
-#pragma unroll
-    for (int i = 0; i < DIMS; i++) {
-        q[i] *= scale;
-        acc[i] = 0.f;
+    for (int i = 0; i < 2; i++) {
+        const int m = warp * 16 + group_id + 8 * i, p = m / GROUP;
+        row_valid[i] = p < rows && m < Q_POS * GROUP;
+        row_t[i] = first + min(p, rows - 1);
+        row_h[i] = kvh * GROUP + m % GROUP;
+        row_pos[i] = positions[row_t[i]];
     }
+    // Q as A fragments, one per 16 dims: {row, dims 2q..}, {row + 8, ..}, {row, dims 2q + 8..}, {row + 8, ..}
+    uint32_t q[HEAD_DIM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; kk++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int i = r & 1, d = kk * 16 + 2 * quad + (r >> 1) * 8;
+            q[kk][r] = *reinterpret_cast<const uint32_t*>(qkv + row_t[i] * width + (size_t)row_h[i] * HEAD_DIM + d);
+        }
+    float o[DIM_BLOCKS][4];
+#pragma unroll
+    for (int j = 0; j < DIM_BLOCKS; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l: this lane's share of the row
+
     for (int tile = begin; tile < end; tile += KV_TILE) {
         __syncthreads();  // the previous tile is consumed
-        for (int e = threadIdx.x; e < KV_TILE * HEAD_DIM / VEC; e += blockDim.x) {
-            const int j = e / (HEAD_DIM / VEC), d = e % (HEAD_DIM / VEC) * VEC, p = tile + j;
+        for (int e = threadIdx.x; e < KV_TILE * HEAD_DIM / 8; e += PREFILL_THREADS) {
+            const int j = e / (HEAD_DIM / 8), d = e % (HEAD_DIM / 8) * 8, p = tile + j;
+            uint4 k = make_uint4(0, 0, 0, 0), v = k;
             if (p < end) {
                 const size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
                 const size_t idx = (slot * kv_heads + kvh) * HEAD_DIM + d;
-                load_bf16x8(k_cache + idx, &k_s[j][d]);
-                load_bf16x8(v_cache + idx, &v_s[j][d]);
-            } else {
-#pragma unroll
-                for (int i = 0; i < VEC; i++) k_s[j][d + i] = v_s[j][d + i] = 0.f;
+                k = __ldg(reinterpret_cast<const uint4*>(k_cache + idx));
+                v = __ldg(reinterpret_cast<const uint4*>(v_cache + idx));
             }
+            *reinterpret_cast<uint4*>(&k_s[j][d]) = k;
+            const bf16* vb = reinterpret_cast<const bf16*>(&v);
+#pragma unroll
+            for (int i = 0; i < 8; i++) vt_s[d + i][j] = vb[i];
         }
         __syncthreads();
-        for (int c = 0; c < KV_TILE && tile + c < end; c += CHUNK) {
-            float score[CHUNK], m_new = m;
+
+        float s[POS_BLOCKS][4];  // C fragments: {row, cols 2q, 2q+1}, {row + 8, cols 2q, 2q+1}
 #pragma unroll
-            for (int j = 0; j < CHUNK; j++) {
-                float s = 0.f;
+        for (int jb = 0; jb < POS_BLOCKS; jb++) {
+            s[jb][0] = s[jb][1] = s[jb][2] = s[jb][3] = 0.f;
 #pragma unroll
-                for (int i = 0; i < DIMS; i++) s += q[i] * k_s[c + j][d0 + i];
-#pragma unroll
-                for (int o = SPLIT / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-                const int p = tile + c + j;
-                score[j] = p < end && p <= pos ? s : -INFINITY;  // the partition's end; causal
-                m_new = fmaxf(m_new, score[j]);
+            for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+                const bf16* k_row = &k_s[jb * 8 + group_id][kk * 16 + 2 * quad];
+                mma_bf16(s[jb], q[kk], *reinterpret_cast<const uint32_t*>(k_row),
+                         *reinterpret_cast<const uint32_t*>(k_row + 8));
             }
-            const float ref = m_new == -INFINITY ? 0.f : m_new;  // as in paged_attention_partial
-            const float rescale = __expf(m - ref);
-            l *= rescale;
+        }
+        float m_new[2] = {m_run[0], m_run[1]};
 #pragma unroll
-            for (int i = 0; i < DIMS; i++) acc[i] *= rescale;
+        for (int jb = 0; jb < POS_BLOCKS; jb++)
 #pragma unroll
-            for (int j = 0; j < CHUNK; j++) {
-                const float p = __expf(score[j] - ref);
-                l += p;
-#pragma unroll
-                for (int i = 0; i < DIMS; i++) acc[i] += p * v_s[c + j][d0 + i];
+            for (int c = 0; c < 4; c++) {
+                const int i = c >> 1, p = tile + jb * 8 + 2 * quad + (c & 1);
+                s[jb][c] = p < end && p <= row_pos[i] ? s[jb][c] * scale : -INFINITY;  // the partition's end; causal
+                m_new[i] = fmaxf(m_new[i], s[jb][c]);
             }
-            m = m_new;
+        float ref[2], rescale[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {  // the row's max over the four lanes that hold it
+            m_new[i] = fmaxf(m_new[i], __shfl_xor_sync(0xffffffff, m_new[i], 1));
+            m_new[i] = fmaxf(m_new[i], __shfl_xor_sync(0xffffffff, m_new[i], 2));
+            ref[i] = m_new[i] == -INFINITY ? 0.f : m_new[i];  // as in paged_attention_partial
+            rescale[i] = __expf(m_run[i] - ref[i]);
+            l_run[i] *= rescale[i];
+            m_run[i] = m_new[i];
+        }
+#pragma unroll
+        for (int j = 0; j < DIM_BLOCKS; j++) {
+            o[j][0] *= rescale[0]; o[j][1] *= rescale[0];
+            o[j][2] *= rescale[1]; o[j][3] *= rescale[1];
+        }
+        // P as A fragments, one per 16 positions (two score blocks), then O += P V.
+#pragma unroll
+        for (int kk = 0; kk < KV_TILE / 16; kk++) {
+            float p[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    p[h][c] = __expf(s[2 * kk + h][c] - ref[c >> 1]);  // 0 where masked
+                    l_run[c >> 1] += p[h][c];
+                }
+            const uint32_t a[4] = {pack_bf16(p[0][0], p[0][1]), pack_bf16(p[0][2], p[0][3]),
+                                   pack_bf16(p[1][0], p[1][1]), pack_bf16(p[1][2], p[1][3])};
+#pragma unroll
+            for (int j = 0; j < DIM_BLOCKS; j++) {
+                const bf16* v_col = &vt_s[j * 8 + group_id][kk * 16 + 2 * quad];
+                mma_bf16(o[j], a, *reinterpret_cast<const uint32_t*>(v_col), *reinterpret_cast<const uint32_t*>(v_col + 8));
+            }
         }
     }
-    if (r < rows) {
-        const size_t part_idx = ((size_t)row * heads + h) * gridDim.z + part;
 #pragma unroll
-        for (int i = 0; i < DIMS; i++) part_acc[part_idx * HEAD_DIM + d0 + i] = acc[i];
-        if (slice == 0) {
-            part_max[part_idx] = m;  // -inf where the partition is past this row's position
+    for (int i = 0; i < 2; i++) {
+        float l = l_run[i] + __shfl_xor_sync(0xffffffff, l_run[i], 1);
+        l += __shfl_xor_sync(0xffffffff, l, 2);
+        if (!row_valid[i]) continue;
+        const size_t part_idx = ((size_t)row_t[i] * heads + row_h[i]) * gridDim.z + part;
+#pragma unroll
+        for (int j = 0; j < DIM_BLOCKS; j++)
+            *reinterpret_cast<float2*>(part_acc + part_idx * HEAD_DIM + j * 8 + 2 * quad) =
+                make_float2(o[j][2 * i], o[j][2 * i + 1]);
+        if (quad == 0) {
+            part_max[part_idx] = m_run[i];  // -inf where the partition is past this row's position
             part_sum[part_idx] = l;
         }
     }

@@ -33,17 +33,17 @@ log = logging.getLogger("llamastream.engine")
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 PARTITION = 512  # context positions per attention thread block
 ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
-PREFILL_THREADS = 128  # as in attention.cu
+PREFILL_THREADS, PREFILL_M_TILE = 128, 64  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
 GEMV_MAX_ROWS, GEMV_WARPS = 8, 4  # as in gemv.cu
 GEMV_ROWS = 1  # steps of up to this many rows take our GEMV, not cuBLAS (bench/profile_step.py's gemm table)
-
-
-def prefill_query_rows(head_dim: int, group: int) -> int:
-    """Query rows per prefill_attention block (Q_ROWS in attention.cu)."""
-    return PREFILL_THREADS // (group * (head_dim // 64))
 WORKSPACE_BYTES = 32 * 2**20
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
+
+
+def prefill_query_rows(group: int) -> int:
+    """Query positions per prefill_attention block (Q_POS in attention.cu)."""
+    return PREFILL_M_TILE // group
 
 
 def _ptr(a) -> np.uintp:
@@ -163,7 +163,7 @@ class CudaBackend:
             major, minor = self.device.compute_capability()
             group = config.num_heads // config.num_kv_heads
             self.kernels = Kernels(config.head_dim, group, f"sm_{major}{minor}")
-            self.query_rows = prefill_query_rows(config.head_dim, group)
+            self.query_rows = prefill_query_rows(group)
             self.stream = cuda.Stream()
             self.pool = DeviceMemoryPool()
             self.workspace = cuda.mem_alloc(WORKSPACE_BYTES)

@@ -156,7 +156,7 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, block_size):
     if kernel == "decode":
         launch(kernels.paged_attention_partial, (tokens, kv_heads, partitions), (ATTENTION_THREADS, 1, 1), *partials, *sizes)
     else:
-        rows = prefill_query_rows(D, heads // kv_heads)
+        rows = prefill_query_rows(heads // kv_heads)
         starts = np.cumsum([0] + [n for _, n in seqs])
         tiles = [(r, min(rows, end - r)) for start, end in zip(starts, starts[1:]) for r in range(start, end, rows)]
         launch(kernels.prefill_attention_partial, (len(tiles), kv_heads, partitions), (PREFILL_THREADS, 1, 1), *partials,
