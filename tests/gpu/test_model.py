@@ -162,11 +162,13 @@ def test_teacher_forced_greedy_agreement(llama):
     print(f"\nteacher-forced greedy agreement over {len(ours)} steps: {with_bf16:.1%} with transformers bf16, "
           f"{with_fp32:.1%} with float32, where transformers' bf16 agrees with float32 {hf_with_fp32:.1%}")
     assert len(ours) == 256
-    # As faithful to the exact model as transformers' own bfloat16, and as close to
-    # transformers' bfloat16 as that is to the exact model, within two standard
-    # deviations of a 256-step agreement rate (~1.7 points each).
+    # As faithful to the exact model as transformers' own bfloat16, within two standard
+    # deviations of a 256-step agreement rate (~1.7 points each). Against transformers'
+    # bfloat16 both sides flip near-tied choices, each about as often as that model
+    # does against the exact one: the bar is two such independent error rates.
+    flips = 1 - hf_with_fp32
     assert with_fp32 >= hf_with_fp32 - 0.035
-    assert with_bf16 >= hf_with_fp32 - 0.035
+    assert with_bf16 >= 1 - 2 * flips - 0.035
 
 
 def test_continuous_batch_equals_alone(invariant_engine):
