@@ -34,6 +34,7 @@ from server.streams import OutputHub
 
 log = logging.getLogger("llamastream.server")
 SWITCH_INTERVAL_S = 0.0001  # see start(); measured with bench/server_overhead.py --host-ms 1 --gil-releases 6
+ENGINE_CHECK_S = 1.0  # how often the streams' hub checks that the engine thread still runs
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
@@ -133,6 +134,7 @@ class Server:
         log.info("model %s on %s: %d KV blocks of %d tokens (%d tokens), context %d",
                  model.name, backend.name, num_blocks, cfg.block_size, num_blocks * cfg.block_size, engine.max_model_len)
         self.loop = EngineLoop(engine, on_fatal=self._on_fatal)
+        self._engine_watch = None  # started with the engine thread
         self.exit_code = 0
         self._stop = threading.Event()
         self.aio = asyncio.new_event_loop()
@@ -181,6 +183,7 @@ class Server:
         # once, not after Python's default 5 ms switch interval.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.loop.start()
+        self._engine_watch = asyncio.run_coroutine_threadsafe(self.servicer.hub.watch(self.loop, ENGINE_CHECK_S), self.aio)
         self._on_aio(self.grpc_server.start())
         self._warm_up()
         self.servicer.accepting.set()
@@ -211,6 +214,8 @@ class Server:
         while self.loop.num_in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
         self._on_aio(self.grpc_server.stop(grace=1.0))  # time to send the streams' last messages
+        if self._engine_watch is not None:
+            self._engine_watch.cancel()
         self.loop.stop()
         self.observer.close()
         self.aio.call_soon_threadsafe(self.aio.stop)

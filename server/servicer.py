@@ -21,10 +21,9 @@ from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server import protocol
 from server.observability import Observer, RequestRecord
-from server.streams import AsyncOutputs, OutputHub, StreamBacklogExceeded
+from server.streams import AsyncOutputs, EngineStopped, OutputHub, StreamBacklogExceeded
 
 log = logging.getLogger("llamastream.server")
-ENGINE_CHECK_S = 1.0  # how often a waiting stream checks that the engine still runs
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -104,16 +103,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _next_output(self, outputs: AsyncOutputs, context: grpc.aio.ServicerContext,
                            record: RequestRecord) -> RequestOutput:
-        while True:
-            try:
-                return await outputs.get(timeout=ENGINE_CHECK_S)
-            except StreamBacklogExceeded as e:
-                await self._refuse(context, record, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"the client read too slowly: {e}; read the stream as it arrives "
-                                   "(the server's --max-stream-backlog sets the limit)")
-            except TimeoutError:
-                if not self.loop.alive:
-                    await self._refuse(context, record, grpc.StatusCode.INTERNAL, f"the engine stopped: {self.loop.fatal_error}")
+        try:
+            return await outputs.get()
+        except StreamBacklogExceeded as e:
+            await self._refuse(context, record, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the client read too slowly: {e}; read the stream as it arrives "
+                               "(the server's --max-stream-backlog sets the limit)")
+        except EngineStopped as e:
+            await self._refuse(context, record, grpc.StatusCode.INTERNAL, f"the engine stopped: {e}")
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:

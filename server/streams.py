@@ -12,11 +12,16 @@ import collections
 import threading
 from collections.abc import Callable
 
+from engine.engine_loop import EngineLoop
 from engine.output import RequestOutput
 
 
 class StreamBacklogExceeded(Exception):
     """The client left more than the allowed number of tokens unread."""
+
+
+class EngineStopped(Exception):
+    """The engine thread stopped while a stream waited for it."""
 
 
 class OutputHub:
@@ -25,6 +30,18 @@ class OutputHub:
         self.max_backlog = max_backlog
         self._lock = threading.Lock()
         self._pending: list[tuple[AsyncOutputs, RequestOutput]] = []
+        self._waiting: set[AsyncOutputs] = set()  # streams awaiting their next output
+        self.engine_error: str | None = None  # once the engine is found stopped
+
+    async def watch(self, engine: EngineLoop, interval: float) -> None:
+        """Check every `interval` s that the engine runs; once it does not, wake every
+        waiting stream with EngineStopped. (The engine ends its requests itself when it
+        can; this is for when it could not.)"""
+        while engine.alive:
+            await asyncio.sleep(interval)
+        self.engine_error = engine.fatal_error or "the engine thread exited"
+        for outputs in list(self._waiting):
+            outputs._wake()
 
     def outputs(self, on_overflow: Callable[[], None]) -> AsyncOutputs:
         """A new request's output queue (call on the loop); `on_overflow` runs on the
@@ -58,7 +75,7 @@ class AsyncOutputs:
         self._items: collections.deque[RequestOutput] = collections.deque()
         self._backlog = 0  # tokens queued
         self._overflowed = False
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # (a bare future: far cheaper than an Event with a timeout)
 
     def put(self, out: RequestOutput) -> None:
         self._hub._post(self, out)
@@ -72,13 +89,25 @@ class AsyncOutputs:
             self._overflowed = True
             self._items.clear()
             self._on_overflow()
-        self._ready.set()
+        self._wake()
 
-    async def get(self, timeout: float) -> RequestOutput:
-        """The next output, coalesced; TimeoutError if none comes within `timeout` s."""
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> RequestOutput:
+        """The next output, coalesced. Raises StreamBacklogExceeded past the backlog
+        limit, and EngineStopped if the engine stops first."""
         while not self._items and not self._overflowed:
-            self._ready.clear()
-            await asyncio.wait_for(self._ready.wait(), timeout)
+            if self._hub.engine_error is not None:
+                raise EngineStopped(self._hub.engine_error)
+            self._waiter = self._hub._loop.create_future()
+            self._hub._waiting.add(self)
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                self._hub._waiting.discard(self)
         if self._overflowed:
             raise StreamBacklogExceeded(f"more than {self._hub.max_backlog} tokens of the stream were left unread")
         out = self._items.popleft()

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.sampling_params import SamplingParams
 from llamastream.v1 import generation_pb2 as pb
-from server.streams import OutputHub
+from server.streams import EngineStopped, OutputHub
 from tests.conftest import make_engine
 from tests.serving import check_stream_shape, collect, local_server, stub
 
@@ -111,10 +111,32 @@ def test_a_reader_that_falls_behind_gets_coalesced_deltas(tiny_model):
         outputs = OutputHub(asyncio.get_running_loop(), max_backlog=100).outputs(on_overflow=lambda: None)
         for out in produced[:-1]:
             outputs.put(out)
-        first = await outputs.get(timeout=5)
+        first = await asyncio.wait_for(outputs.get(), 5)
         outputs.put(produced[-1])
-        return first, await outputs.get(timeout=5)
+        return first, await asyncio.wait_for(outputs.get(), 5)
 
     first, last = asyncio.run(read())
     assert first.token_ids == expected_ids and first.text == expected_text and not first.finished
     assert last.finished and last.usage.completion_tokens == 6
+
+
+def test_a_stream_waiting_on_a_stopped_engine_ends():
+    """If the engine thread stops without ending its requests, waiting streams learn it
+    from the hub's watch (the server then answers INTERNAL) instead of waiting forever."""
+
+    class StoppedEngine:
+        alive, fatal_error = False, "device lost"
+
+    async def wait():
+        hub = OutputHub(asyncio.get_running_loop(), max_backlog=100)
+        outputs = hub.outputs(on_overflow=lambda: None)
+        waiting = asyncio.create_task(outputs.get())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        await hub.watch(StoppedEngine(), interval=0.01)
+        with pytest.raises(EngineStopped, match="device lost"):
+            await asyncio.wait_for(waiting, 5)
+        with pytest.raises(EngineStopped):  # and so does every later wait
+            await asyncio.wait_for(outputs.get(), 5)
+
+    asyncio.run(wait())
