@@ -42,20 +42,28 @@ def test_generate_refuses_bad_input_before_any_message(live_server):
 
 
 class FaultyBackend:
-    """Wraps a backend; raises on chosen calls of execute."""
+    """Wraps a backend; chosen steps raise as they are queued (`when="launch"`) or as
+    their samples are waited for (`"wait"`, where a GPU's asynchronous errors show)."""
 
-    def __init__(self, inner, fail_on: set[int], fatal: bool):
-        self.inner, self.fail_on, self.fatal, self.calls = inner, fail_on, fatal, 0
+    def __init__(self, inner, fail_on: set[int], fatal: bool, when: str = "launch"):
+        self.inner, self.fail_on, self.fatal, self.when, self.calls = inner, fail_on, fatal, when, 0
         self.name = inner.name
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def execute(self, batch):
+    def launch(self, batch):
         self.calls += 1
-        if self.calls in self.fail_on:
+        fail = self.calls in self.fail_on
+        if fail and self.when == "launch":
             raise RuntimeError("injected fault")
-        return self.inner.execute(batch)
+        samples = self.inner.execute(batch)
+
+        def wait():
+            if fail:
+                raise RuntimeError("injected fault")
+            return samples
+        return wait
 
     def is_fatal(self, error: BaseException) -> bool:
         return self.fatal
@@ -65,9 +73,10 @@ def request(n: int = 8) -> pb.GenerateRequest:
     return pb.GenerateRequest(prompt="go", sampling=pb.SamplingParams(temperature=0.0), stop=pb.StopCriteria(max_tokens=n, ignore_eos=True))
 
 
-def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(live_server):
+@pytest.mark.parametrize("when", ["launch", "wait"])
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(live_server, when):
     engine = live_server.loop.engine
-    engine.backend = FaultyBackend(engine.backend, fail_on={4}, fatal=False)  # after the warm-up's steps
+    engine.backend = FaultyBackend(engine.backend, fail_on={4}, fatal=False, when=when)  # after the warm-up's steps
     live_server.start()
     client = stub(f"127.0.0.1:{live_server.port}")
     with pytest.raises(grpc.RpcError) as e:
