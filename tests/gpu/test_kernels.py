@@ -32,12 +32,12 @@ TOL = 1e-2
 
 
 @functools.cache
-def kernels_for(group: int) -> Kernels:
-    """The kernels compiled for head_dim 64 and `group` query heads per KV head."""
+def kernels_for(group: int, head_dim: int = 64) -> Kernels:
+    """The kernels compiled for `head_dim` and `group` query heads per KV head."""
     import pycuda.driver as cuda
 
     major, minor = cuda.Context.get_device().compute_capability()
-    return Kernels(64, group, f"sm_{major}{minor}")
+    return Kernels(head_dim, group, f"sm_{major}{minor}")
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +120,12 @@ def test_rope_and_cache(kernels, heads, kv_heads):
 
 
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
-@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (9, 3)])
+@pytest.mark.parametrize("heads, kv_heads, D", [(32, 8, 64), (9, 3, 64), (24, 8, 128)])  # Llama 3.2 1B, SmolLM2, 3B
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_paged_attention(cuda_context, kernel, heads, kv_heads, block_size):
+def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size):
     """Decode tokens and prefill chunks of several sequences in one launch, over
     lengths that are not multiples of the block size and past one partition, through
     the decode kernel (split context, merged) and through the prefill kernel (query tiles)."""
-    D = 64
     # (context before this step, tokens in this step): decode, chunked prefill, full prefill, long decode
     seqs = [(37, 1), (20, 13), (0, 45), (PARTITION * 2 + 77, 1), (PARTITION - 1, 3), (0, 300), (PARTITION - 100, 250)]
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 4
@@ -146,7 +145,7 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, block_size):
         table_arr[i, : len(t)] = t
     kc, vc, qkv_gpu = up_bf16(k_cache), up_bf16(v_cache), up_bf16(qkv)
     scale = np.float32(D ** -0.5)
-    kernels = kernels_for(heads // kv_heads)
+    kernels = kernels_for(heads // kv_heads, D)
     partitions = -(-max(c + n for c, n in seqs) // PARTITION)
     part_acc = gpuarray.to_gpu(np.full((tokens, heads, partitions, D), np.nan, np.float32))
     part_max = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
