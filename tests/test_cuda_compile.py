@@ -24,7 +24,7 @@ def test_there_are_kernels():
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed (CI and the development machines have it)")
 @pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
-@pytest.mark.parametrize("head_dim, group", [(64, 4), (128, 8), (64, 3)])
+@pytest.mark.parametrize("head_dim, group", [(64, 4), (128, 8), (64, 3), (128, 3)])
 def test_compiles_for_sm90_without_spills(source, head_dim, group, tmp_path):
     result = subprocess.run(
         [NVCC, "-arch=sm_90", "-cubin", "-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", "-Xptxas", "-v", f"-I{CUDA_SRC}",
