@@ -69,6 +69,8 @@ gpu-bench:
 	  --result-json $(BENCH_OUT)/serve.json --plot $(BENCH_OUT)/serve.png | tee $(BENCH_OUT)/serve.txt
 	$(PYTHON) bench/paged_vs_contiguous.py --device cuda --model $(BENCH_OUT)/llama-1b-random --kv-cache-gb 4 \
 	  | tee $(BENCH_OUT)/paged_vs_contiguous.txt
+	$(PYTHON) bench/profile_server.py --model $(BENCH_OUT)/llama-1b-random --device cuda --max-num-seqs 256 \
+	  --max-num-batched-tokens 8192 2>/dev/null | tee $(BENCH_OUT)/profile_server.txt
 
 bench-cpu: $(VENV)/.installed $(STUBS)
 	$(BIN)/python bench/cpu_decode.py

@@ -44,3 +44,16 @@ def test_server_overhead_compares_in_process_with_grpc():
     ).stdout
     rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in out.splitlines() if "|" in line}
     assert float(rows["in process"][0]) > 0 and float(rows["gRPC"][0]) > 0
+
+
+def test_profile_server_profiles_both_threads_under_load():
+    out = subprocess.run(
+        [sys.executable, "bench/profile_server.py", "--num-prompts", "6", "--max-concurrency", "3",
+         "--model", str(TINY_MODEL), "--device", "cpu"],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    load = next(line for line in out.splitlines() if line.strip().startswith("3 |"))
+    assert [c.strip() for c in load.split("|")[1:3]] == ["6", "0"]  # all six completed, none failed
+    engine, loop = out.split("=== engine thread ===")[1].split("=== RPC loop thread ===")
+    assert "numpy_backend.py" in engine and "servicer.py" not in engine  # each thread's own work
+    assert "servicer.py" in loop and "numpy_backend.py" not in loop
