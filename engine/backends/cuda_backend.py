@@ -4,7 +4,8 @@ Weights live on the GPU in bfloat16 with Q/K/V and gate/up fused; the residual
 stream is float32 holding bfloat16 values, as transformers' bfloat16 hidden states
 are. One step uploads its token metadata in one copy, runs every layer on one
 stream, samples on the GPU and copies back only the chosen token ids (and the
-logits rows of requests that asked for logprobs).
+logits rows of requests that asked for logprobs). `launch` queues all of it and
+returns, so that the engine's host work overlaps the GPU's.
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ once per GENERATED_TILE. A token's class depends on its position only, so it is
 computed the same way alone, batched or recomputed after preemption. Rows that pad a
 tile are dummy tokens that read and write only the dummy KV block.
 
-Attention follows the same classes: generated rows go through the decode kernel
-(paged_attention_partial), prompt rows through prefill_attention, in query tiles of up
-to `query_rows` consecutive rows of one sequence.
+In either layout, generated rows go through the decode attention kernel
+(paged_attention_partial) and prompt rows through the prefill one
+(prefill_attention_partial), in query tiles of up to `query_rows` consecutive rows of
+one sequence.
 """
 
 from __future__ import annotations
