@@ -115,10 +115,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     // The K/V rows of the next iteration are loaded (as raw bf16) before this
     // iteration's arithmetic, so the memory system always has loads in flight.
     const int stride = WARPS * ROWS_PER_WARP, step = stride * UNROLL;
+    const int warp_begin = begin + warp * ROWS_PER_WARP;
     uint4 k_raw[UNROLL], v_raw[UNROLL];
-    const int first = begin + warp * ROWS_PER_WARP + row;
-    load_rows(k_raw, v_raw, k_cache, v_cache, blocks_s, first, stride, end, first_block, block_size, kv_heads, kvh, col);
-    for (int base = begin + warp * ROWS_PER_WARP; base < end; base += step) {
+    load_rows(k_raw, v_raw, k_cache, v_cache, blocks_s, warp_begin + row, stride, end, first_block, block_size, kv_heads,
+              kvh, col);
+    for (int base = warp_begin; base < end; base += step) {
         uint4 k_next[UNROLL], v_next[UNROLL];
         load_rows(k_next, v_next, k_cache, v_cache, blocks_s, base + step + row, stride, end, first_block, block_size,
                   kv_heads, kvh, col);

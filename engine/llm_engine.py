@@ -106,12 +106,7 @@ class LLMEngine:
         batch = self._last_batch = self.scheduler.schedule()
         if not batch:
             return False
-        launch = getattr(self.backend, "launch", None)
-        if launch is None:
-            samples = self.backend.execute(batch)
-            self._wait = lambda: samples
-        else:
-            self._wait = launch(batch)
+        self._wait = self.backend.launch(batch)
         return True
 
     def end_step(self) -> None:

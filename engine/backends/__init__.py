@@ -3,9 +3,10 @@
     backend.name                                    "numpy" or "cuda"
     backend.kv_cache_bytes_per_block(block_size)    to size the cache
     backend.allocate_kv_cache(num_blocks, block_size)
-    backend.execute(batch) -> [SampleOutput | None for each scheduled sequence]
-    backend.launch(batch) -> wait                   optional: queue the step and return at
-                                                    once; wait() returns what execute would
+    backend.launch(batch) -> wait                   queue the step (a GPU returns at once);
+                                                    wait() -> [SampleOutput | None for each
+                                                    scheduled sequence]
+    backend.execute(batch)                          launch(batch)(), for tests and benchmarks
     backend.forward(batch) -> logits of the sampling sequences (tests, benchmarks)
     backend.is_fatal(error) -> bool                 optional: stop serving after it
 

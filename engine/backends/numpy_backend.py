@@ -6,6 +6,8 @@ against, so it favours plain, checkable code over speed.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from engine.config import ModelConfig
@@ -137,6 +139,11 @@ class NumpyBackend:
     def execute(self, batch: list[ScheduledSeq]) -> list[SampleOutput | None]:
         logits = iter(self.forward(batch))
         return [self._sample(s, next(logits)) if s.samples else None for s in batch]
+
+    def launch(self, batch: list[ScheduledSeq]) -> Callable[[], list[SampleOutput | None]]:
+        """The CPU computes as it is asked: the step is done when this returns."""
+        samples = self.execute(batch)
+        return lambda: samples
 
     def _sample(self, s: ScheduledSeq, logits: np.ndarray) -> SampleOutput:
         seq = s.seq
