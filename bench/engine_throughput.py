@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pycuda.driver as cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -55,6 +56,7 @@ def main() -> None:
     seqs = [engine.make_sequence(f"r{i}", rng.integers(0, 128000, p).tolist(),
                                  SamplingParams(temperature=0.0, max_tokens=int(o), ignore_eos=True))
             for i, (p, o) in enumerate(zip(prompt_lens, output_lens))]
+    timeline = StepTimeline(backend)
     start = time.perf_counter()
     for s in seqs:
         engine.add(s)
@@ -73,6 +75,46 @@ def main() -> None:
     print(f"{'requests':>8} | {'output tokens':>13} | {'steps':>6} | {'time (s)':>8} | {'output tok/s':>12} | {'floor tok/s':>11}")
     print(f"{B:>8} | {generated:>13} | {steps:>6} | {elapsed:8.1f} | {generated / elapsed:12.0f} | {B / step_s:11.0f}")
     print(f"(CUDA graph replays: {backend.graphs.replays if backend.graphs else 0} of {steps} steps; KV blocks: {blocks})")
+    timeline.report(elapsed)
+
+
+class StepTimeline:
+    """Where the run's wall time went: each step's GPU span (events on the backend's
+    stream around it) and the time the engine thread sat waiting for it, by kind of step."""
+
+    def __init__(self, backend: CudaBackend):
+        self.backend, self.steps = backend, []
+        launch = backend.launch
+
+        def timed_launch(batch):
+            with backend._context():
+                begin = cuda.Event()
+                begin.record(backend.stream)
+            wait = launch(batch)
+            with backend._context():
+                end = cuda.Event()
+                end.record(backend.stream)
+            record = {"prefill": any(s.start < len(s.seq.prompt_ids) for s in batch), "rows": len(batch),
+                      "events": (begin, end), "blocked": 0.0}
+            self.steps.append(record)
+
+            def timed_wait():
+                t = time.perf_counter()
+                out = wait()
+                record["blocked"] = time.perf_counter() - t
+                return out
+            return timed_wait
+        backend.launch = timed_launch
+
+    def report(self, elapsed: float) -> None:
+        print(f"\n{'steps':>16} | {'count':>6} | {'mean rows':>9} | {'GPU s':>6} | {'engine blocked s':>16}")
+        with self.backend._context():
+            for kind, prefill in (("with prompt rows", True), ("decode only", False)):
+                chosen = [r for r in self.steps if r["prefill"] == prefill]
+                gpu = sum(r["events"][1].time_since(r["events"][0]) for r in chosen) / 1e3
+                rows = np.mean([r["rows"] for r in chosen]) if chosen else 0
+                print(f"{kind:>16} | {len(chosen):>6} | {rows:9.1f} | {gpu:6.2f} | {sum(r['blocked'] for r in chosen):16.2f}")
+        print(f"(wall {elapsed:.2f} s: the GPU idles for whatever of it the steps' GPU time does not cover)")
 
 
 if __name__ == "__main__":

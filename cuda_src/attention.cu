@@ -6,11 +6,6 @@
 #ifndef GROUP
 #define GROUP 4              // query heads per KV head
 #endif
-#define WARPS 4              // threads per block: 32 * WARPS
-#define VEC 8                // bf16 per 16-byte load
-#define ROW_LANES (HEAD_DIM / VEC)       // lanes that read one K/V row together
-#define ROWS_PER_WARP (32 / ROW_LANES)   // context positions a warp reads per load
-#define UNROLL (GROUP <= 4 ? 4 : 2)      // loads in flight per lane
 #define MAX_PART_BLOCKS 256  // KV blocks one partition may touch (checked by the host)
 
 // Causal grouped-query attention over the paged KV cache, for decode and for
@@ -19,47 +14,77 @@
 //
 //   out[t, h, :] = sum_j softmax_j(q[t, h] . k[j, h / GROUP] * scale) v[j, h / GROUP]
 //
-// Pass 1 (paged_attention_partial): grid (tokens, kv_heads, partitions). A block covers
-// `partition` context positions of one KV head. Each K/V row is read once, with 16-byte
-// loads by ROW_LANES lanes, into registers, and serves all GROUP query heads of that KV
-// head. Every lane row-group keeps its own online softmax (running max m, sum l and
-// unnormalised output) over the positions it reads; they are merged across the warp
-// and then across warps, always in the same order, so a token's result depends only on
-// its own context, not on the rest of the batch. The block leaves a partial result with
-// its max and sum; pass 2 (paged_attention_merge) rescales and sums the partitions.
-// The numpy backend's paged_attention is the oracle (tests/gpu/test_kernels.py).
+// Pass 1 splits each token's context into partitions of `partition` positions and
+// leaves, per (token, head, partition), the unnormalised output with its softmax max
+// and sum; pass 2 (paged_attention_merge) rescales and sums the partitions. Decode
+// tokens and prompt tokens take different pass-1 kernels (below); both run on tensor
+// cores (mma.sync m16n8k16: bfloat16 in, float32 accumulate), round the probabilities
+// to bfloat16 for P V (as transformers' eager attention does), and visit a token's
+// positions in an order fixed by its context alone, so that its result does not
+// depend on the rest of the batch. The numpy backend's paged_attention is the oracle
+// (tests/gpu/test_kernels.py).
 
-struct Softmax {  // online softmax state of one lane for one query head
-    float m, l, acc[VEC];
-};
-
-// This lane's slice of the K and V rows at positions pos, pos + stride, ... (UNROLL of
-// them), as raw bf16; zeros past `end` (no NaN from stale registers).
-__device__ __forceinline__ void load_rows(uint4* k, uint4* v, const bf16* __restrict__ k_cache,
-                                          const bf16* __restrict__ v_cache, const int* blocks_s, int pos, int stride,
-                                          int end, int first_block, int block_size, int kv_heads, int kvh, int col) {
-#pragma unroll
-    for (int u = 0; u < UNROLL; u++, pos += stride) {
-        if (pos < end) {
-            const size_t slot = (size_t)blocks_s[pos / block_size - first_block] * block_size + pos % block_size;
-            const size_t idx = (slot * kv_heads + kvh) * HEAD_DIM + col;
-            k[u] = __ldg(reinterpret_cast<const uint4*>(k_cache + idx));
-            v[u] = __ldg(reinterpret_cast<const uint4*>(v_cache + idx));
-        } else {
-            k[u] = v[u] = make_uint4(0, 0, 0, 0);
-        }
-    }
+__device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Fold state b into a (both over disjoint positions).
-__device__ __forceinline__ void merge(Softmax& a, float bm, float bl, const float* bacc) {
-    float m = fmaxf(a.m, bm);
-    if (m == -INFINITY) return;  // neither has seen a position
-    float wa = __expf(a.m - m), wb = __expf(bm - m);
-    a.l = a.l * wa + bl * wb;
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Pass 1 for generated tokens (decode): grid (tokens, kv_heads, partitions), WARPS
+// warps. The GROUP query heads of one token are rows 0..GROUP-1 of a 16-row A tile
+// (the other rows hold nothing useful and are never written out), so one mma serves
+// every head that shares a K/V row, and the cache is read once. Warp w takes the
+// partition's 16-position chunks w, w + WARPS, ..., loading each chunk's K and V
+// straight from the cache into registers as mma fragments, and keeps an online softmax
+// per row; the warps' states are merged at the end in a fixed order. Nothing is
+// prefetched: at under 96 registers five blocks fit on an SM, and their loads hide the
+// latency better than a second chunk in flight per warp would (bench/RESULTS.md).
+//
+// Fragments are read with 16-byte loads by permuting the summed-over index, which
+// changes no sum: in S = Q K^T, lane quad q's k-step kk covers head dims
+// q * QUARTER + 4 kk + 0..3, so a lane reads one contiguous quarter of each Q and K
+// row. P V is computed transposed, O^T = V^T P^T, so that the heads are the n8 columns
+// (no accumulator rows wasted) and P's A-fragment layout in S is already P^T's B
+// layout; its m16 tile mt takes head dims g * DIM_SLICE + 2 mt (row g) and + 1 (row
+// g + 8), so lane group g reads dims g * DIM_SLICE.. of each V row.
+#define WARPS 4                          // threads per block: 32 * WARPS
+#define CHUNK 16                         // context positions per warp step (the k of P V)
+#define QUARTER (HEAD_DIM / 4)           // head dims per lane quad in Q K^T
+#define K_WORDS (QUARTER / 2)            // 32-bit words of a lane's K (and Q) quarter
+#define DIM_SLICE (HEAD_DIM / 8)         // head dims per lane group g in P V
+#define V_WORDS (DIM_SLICE / 2)          // 32-bit words of a lane's V slice
+#define DIM_TILES (HEAD_DIM / 16)        // m16 tiles of O^T
+
+struct ChunkFragments {  // one lane's share of a chunk's K and V rows
+    uint32_t k[2][K_WORDS];  // rows 8 * i + g, dims q * QUARTER..
+    uint32_t v[4][V_WORDS];  // rows 2q, 2q + 1, 2q + 8, 2q + 9, dims g * DIM_SLICE..
+};
+
+// Positions past `end` read as zeros (no NaN from cache slots never written).
+__device__ __forceinline__ void load_chunk(ChunkFragments& f, const bf16* __restrict__ k_cache,
+                                           const bf16* __restrict__ v_cache, const int* blocks_s, int first_block,
+                                           int block_size, int kv_heads, int kvh, int chunk, int end, int g, int q) {
+    auto load = [&](uint32_t* dst, const bf16* cache, int pos, int dim, int words) {
+        if (pos < end) {
+            const size_t slot = (size_t)blocks_s[pos / block_size - first_block] * block_size + pos % block_size;
+            const uint4* src = reinterpret_cast<const uint4*>(cache + (slot * kv_heads + kvh) * HEAD_DIM + dim);
 #pragma unroll
-    for (int i = 0; i < VEC; i++) a.acc[i] = a.acc[i] * wa + bacc[i] * wb;
-    a.m = m;
+            for (int i = 0; i < words / 4; i++) reinterpret_cast<uint4*>(dst)[i] = __ldg(src + i);
+        } else {
+#pragma unroll
+            for (int i = 0; i < words; i++) dst[i] = 0u;
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < 2; i++) load(f.k[i], k_cache, chunk + 8 * i + g, q * QUARTER, K_WORDS);
+#pragma unroll
+    for (int r = 0; r < 4; r++) load(f.v[r], v_cache, chunk + 2 * q + (r & 1) + 8 * (r >> 1), g * DIM_SLICE, V_WORDS);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial(
@@ -77,13 +102,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     __shared__ float acc_s[WARPS][GROUP][HEAD_DIM];
 
     const int t = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row = lane / ROW_LANES, col = (lane % ROW_LANES) * VEC;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int begin = part * partition, end = min(positions[t] + 1, begin + partition);
     const int* table = block_tables + (size_t)token_seq[t] * max_blocks;
     if (begin >= end) {  // a partition past the context adds nothing
-        for (int g = threadIdx.x; g < GROUP; g += blockDim.x) {
-            const size_t part_idx = ((size_t)t * heads + kvh * GROUP + g) * gridDim.z + part;
+        for (int h = threadIdx.x; h < GROUP; h += blockDim.x) {
+            const size_t part_idx = ((size_t)t * heads + kvh * GROUP + h) * gridDim.z + part;
             part_max[part_idx] = -INFINITY;
             part_sum[part_idx] = 0.f;
         }
@@ -93,123 +117,104 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     for (int i = threadIdx.x; i <= (end - 1) / block_size - first_block; i += blockDim.x)
         blocks_s[i] = table[first_block + i];
 
-    float q[GROUP][VEC];
-    const size_t width = (size_t)(heads + 2 * kv_heads) * HEAD_DIM;
+    // Q as A fragments: row g (head kvh * GROUP + g; zero past GROUP), this quad's quarter.
+    uint32_t q_frag[K_WORDS];
+    if (g < GROUP) {
+        const uint4* src = reinterpret_cast<const uint4*>(
+            qkv + (size_t)t * (heads + 2 * kv_heads) * HEAD_DIM + (size_t)(kvh * GROUP + g) * HEAD_DIM + q * QUARTER);
 #pragma unroll
-    for (int g = 0; g < GROUP; g++) {
-        load_bf16x8(qkv + t * width + (size_t)(kvh * GROUP + g) * HEAD_DIM + col, q[g]);
+        for (int i = 0; i < K_WORDS / 4; i++) reinterpret_cast<uint4*>(q_frag)[i] = __ldg(src + i);
+    } else {
 #pragma unroll
-        for (int i = 0; i < VEC; i++) q[g][i] *= scale;
+        for (int i = 0; i < K_WORDS; i++) q_frag[i] = 0u;
     }
-    Softmax s[GROUP];
+    // O^T: o[mt] holds heads 2q, 2q + 1 at dims g * DIM_SLICE + 2 mt ([0], [1]) and + 1 ([2], [3])
+    float o[DIM_TILES][4];
 #pragma unroll
-    for (int g = 0; g < GROUP; g++) {
-        s[g].m = -INFINITY;
-        s[g].l = 0.f;
-#pragma unroll
-        for (int i = 0; i < VEC; i++) s[g].acc[i] = 0.f;
-    }
+    for (int j = 0; j < DIM_TILES; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m_run = -INFINITY, l_run = 0.f;  // head g's; l: this lane's share
     __syncthreads();  // blocks_s is written
 
-    // Warp-uniform loop (the shuffles below need every lane): lanes past `end` mask out.
-    // The K/V rows of the next iteration are loaded (as raw bf16) before this
-    // iteration's arithmetic, so the memory system always has loads in flight.
-    const int stride = WARPS * ROWS_PER_WARP, step = stride * UNROLL;
-    const int warp_begin = begin + warp * ROWS_PER_WARP;
-    uint4 k_raw[UNROLL], v_raw[UNROLL];
-    load_rows(k_raw, v_raw, k_cache, v_cache, blocks_s, warp_begin + row, stride, end, first_block, block_size, kv_heads,
-              kvh, col);
-    for (int base = warp_begin; base < end; base += step) {
-        uint4 k_next[UNROLL], v_next[UNROLL];
-        load_rows(k_next, v_next, k_cache, v_cache, blocks_s, base + step + row, stride, end, first_block, block_size,
-                  kv_heads, kvh, col);
-        float score[GROUP][UNROLL];
+    ChunkFragments cur;
+    for (int chunk = begin + warp * CHUNK; chunk < end; chunk += WARPS * CHUNK) {
+        load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_size, kv_heads, kvh, chunk, end, g, q);
+        // S = Q K^T: s[i] holds row g at positions chunk + 8 i + 2q, + 1 (and row g + 8's, unused)
+        float s[2][4];
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            float k[VEC];
-            unpack_bf16x8(k_raw[u], k);
+        for (int i = 0; i < 2; i++) {
+            s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
-            for (int g = 0; g < GROUP; g++) {
-                score[g][u] = 0.f;
-#pragma unroll
-                for (int i = 0; i < VEC; i++) score[g][u] += q[g][i] * k[i];
+            for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+                const uint32_t a[4] = {q_frag[2 * kk], 0u, q_frag[2 * kk + 1], 0u};
+                mma_bf16(s[i], a, cur.k[i][2 * kk], cur.k[i][2 * kk + 1]);
             }
         }
+        float p[4];  // positions chunk + 2q, 2q + 1, 2q + 8, 2q + 9
+        float m_new = m_run;
 #pragma unroll
-        for (int g = 0; g < GROUP; g++) {
-            float m = s[g].m;
-#pragma unroll
-            for (int u = 0; u < UNROLL; u++) {
-#pragma unroll
-                for (int o = ROW_LANES / 2; o > 0; o >>= 1) score[g][u] += __shfl_xor_sync(0xffffffff, score[g][u], o);
-                if (base + u * stride + row >= end) score[g][u] = -INFINITY;
-                m = fmaxf(m, score[g][u]);
-            }
-            // m is -inf only while this lane has seen no position: then p = 0 and
-            // nothing changes (without a branch: shuffles follow)
-            const float ref = m == -INFINITY ? 0.f : m;
-            const float rescale = __expf(s[g].m - ref);
-            s[g].l *= rescale;
-#pragma unroll
-            for (int i = 0; i < VEC; i++) s[g].acc[i] *= rescale;
-#pragma unroll
-            for (int u = 0; u < UNROLL; u++) {
-                score[g][u] = __expf(score[g][u] - ref);  // now the weight p: 0 past the end
-                s[g].l += score[g][u];
-            }
-            s[g].m = m;
+        for (int j = 0; j < 4; j++) {
+            p[j] = chunk + 2 * q + (j & 1) + 8 * (j >> 1) < end ? s[j >> 1][j & 1] * scale : -INFINITY;
+            m_new = fmaxf(m_new, p[j]);
         }
+        m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffff, m_new, 1));  // the row's max over its quad
+        m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffff, m_new, 2));
+        const float ref = m_new == -INFINITY ? 0.f : m_new;  // -inf: nothing seen yet, p = 0
+        const float rescale = __expf(m_run - ref);
+        l_run *= rescale;
+        const float rescale_lo = __shfl_sync(0xffffffff, rescale, 8 * q), rescale_hi = __shfl_sync(0xffffffff, rescale, 8 * q + 4);
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            float v[VEC];
-            unpack_bf16x8(v_raw[u], v);
+        for (int j = 0; j < DIM_TILES; j++) {  // (heads 2q and 2q + 1 are rows 2q, 2q + 1 of S, in lane groups 2q, 2q + 1)
+            o[j][0] *= rescale_lo;
+            o[j][2] *= rescale_lo;
+            o[j][1] *= rescale_hi;
+            o[j][3] *= rescale_hi;
+        }
+        m_run = m_new;
 #pragma unroll
-            for (int g = 0; g < GROUP; g++) {
+        for (int j = 0; j < 4; j++) {
+            p[j] = __expf(p[j] - ref);
+            l_run += p[j];
+        }
+        // O^T += V^T P^T over the chunk's 16 positions: P^T's B fragment is row g of P
+        const uint32_t b0 = pack_bf16(p[0], p[1]), b1 = pack_bf16(p[2], p[3]);
 #pragma unroll
-                for (int i = 0; i < VEC; i++) s[g].acc[i] += score[g][u] * v[i];
-            }
-            k_raw[u] = k_next[u];
-            v_raw[u] = v_next[u];
+        for (int mt = 0; mt < DIM_TILES; mt++) {  // V^T's A fragment: dims 2 mt (low halves), 2 mt + 1 (high)
+            const uint32_t a[4] = {__byte_perm(cur.v[0][mt], cur.v[1][mt], 0x5410), __byte_perm(cur.v[0][mt], cur.v[1][mt], 0x7632),
+                                   __byte_perm(cur.v[2][mt], cur.v[3][mt], 0x5410), __byte_perm(cur.v[2][mt], cur.v[3][mt], 0x7632)};
+            mma_bf16(o[mt], a, b0, b1);
         }
     }
 
-    // Merge the warp's row groups (lanes that hold the same dims), then the warps.
+    // Merge the warps: row g's sum over its quad, then across warps through shared memory.
+    l_run += __shfl_xor_sync(0xffffffff, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffff, l_run, 2);
 #pragma unroll
-    for (int g = 0; g < GROUP; g++) {
+    for (int mt = 0; mt < DIM_TILES; mt++)
 #pragma unroll
-        for (int o = ROW_LANES; o < 32; o <<= 1) {
-            float other_acc[VEC];
-#pragma unroll
-            for (int i = 0; i < VEC; i++) other_acc[i] = __shfl_xor_sync(0xffffffff, s[g].acc[i], o);
-            const float other_m = __shfl_xor_sync(0xffffffff, s[g].m, o);
-            const float other_l = __shfl_xor_sync(0xffffffff, s[g].l, o);
-            merge(s[g], other_m, other_l, other_acc);
+        for (int c = 0; c < 4; c++) {
+            const int h = 2 * q + (c & 1);
+            if (h < GROUP) acc_s[warp][h][g * DIM_SLICE + 2 * mt + (c >> 1)] = o[mt][c];
         }
-        if (row == 0) {
-#pragma unroll
-            for (int i = 0; i < VEC; i++) acc_s[warp][g][col + i] = s[g].acc[i];
-            if (col == 0) {
-                m_s[warp][g] = s[g].m;
-                l_s[warp][g] = s[g].l;
-            }
-        }
+    if (g < GROUP && q == 0) {
+        m_s[warp][g] = m_run;
+        l_s[warp][g] = l_run;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += blockDim.x) {
-        const int g = e / HEAD_DIM, d = e % HEAD_DIM;
+        const int h = e / HEAD_DIM, d = e % HEAD_DIM;
         float m = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < WARPS; w++) m = fmaxf(m, m_s[w][g]);
+        for (int w = 0; w < WARPS; w++) m = fmaxf(m, m_s[w][h]);
         float acc = 0.f, l = 0.f;
         if (m != -INFINITY) {
 #pragma unroll
             for (int w = 0; w < WARPS; w++) {
-                const float weight = __expf(m_s[w][g] - m);  // 0 for a warp that saw nothing
-                acc += acc_s[w][g][d] * weight;
-                l += l_s[w][g] * weight;
+                const float weight = __expf(m_s[w][h] - m);  // 0 for a warp that saw nothing
+                acc += acc_s[w][h][d] * weight;
+                l += l_s[w][h] * weight;
             }
         }
-        const size_t part_idx = ((size_t)t * heads + kvh * GROUP + g) * gridDim.z + part;
+        const size_t part_idx = ((size_t)t * heads + kvh * GROUP + h) * gridDim.z + part;
         part_acc[part_idx * HEAD_DIM + d] = acc;
         if (d == 0) {
             part_max[part_idx] = m;  // -inf for a partition past the context: it adds nothing
@@ -239,18 +244,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 #define PAD 8                          // bf16 of padding per shared row: conflict-free fragment reads
 #define DIM_BLOCKS (HEAD_DIM / 8)      // n8 blocks of the output
 #define POS_BLOCKS (KV_TILE / 8)       // n8 blocks of the scores
-
-__device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-}
 
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_partial(
     float* __restrict__ part_acc, float* __restrict__ part_max, float* __restrict__ part_sum,  // as above

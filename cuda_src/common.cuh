@@ -28,6 +28,27 @@ __device__ __forceinline__ void load_bf16x8(const bf16* p, float* out) {
     unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p)), out);
 }
 
+// 8 float32 values to 8 bfloat16 (16 bytes, one store), rounded to nearest.
+__device__ __forceinline__ uint4 pack_bf16x8(const float* in) {
+    uint4 raw;
+    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; i++) pairs[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+    return raw;
+}
+
+// 8 float32 values at p (32-byte aligned), in two 16-byte accesses.
+__device__ __forceinline__ void load_f32x8(const float* p, float* out) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+
+__device__ __forceinline__ void store_f32x8(float* p, const float* in) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(in[0], in[1], in[2], in[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(in[4], in[5], in[6], in[7]);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
     return v;

@@ -155,6 +155,8 @@ class CudaBackend:
                  graph_max_batch: int = 256, graph_max_context: int = 4096, batch_invariant: bool = False):
         if config.head_dim not in (64, 128) or config.num_heads // config.num_kv_heads > 8:
             raise ValueError("the CUDA attention kernels need head_dim 64 or 128 and at most 8 heads per KV head")
+        if config.hidden_size % 8 or config.intermediate_size % 8:
+            raise ValueError("the CUDA kernels need hidden and intermediate sizes that are multiples of 8")
         self.config = config
         self.batch_invariant = batch_invariant  # GEMMs in fixed tiles: see step_metadata
         cuda.init()
@@ -278,7 +280,7 @@ class CudaBackend:
             k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(b.delta), _ptr(layer["mlp_norm"]),
                                               _ptr(b.h), m["all_rows"], np.int32(H), eps)
             self._linear(b.gate_up, b.h, layer["gate_up"], tiles, H, 2 * I)
-            k.silu_and_mul.prepared_async_call(((I + 255) // 256, T), (256, 1, 1), st, _ptr(b.act), _ptr(b.gate_up), np.int32(I))
+            k.silu_and_mul.prepared_async_call((-(-I // (8 * 256)), T), (256, 1, 1), st, _ptr(b.act), _ptr(b.gate_up), np.int32(I))
             self._linear(b.delta, b.act, layer["down"], tiles, I, H)
             has_delta = _ptr(b.delta)
         if S:
