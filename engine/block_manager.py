@@ -2,14 +2,18 @@
 
 Token i of a sequence lives in block `block_table[i // block_size]`, at offset
 `i % block_size`. Blocks come from one free pool and all go back when the sequence
-finishes, is aborted or is preempted.
+finishes, is aborted or is preempted. A block table is an int32 array, replaced (never
+changed in place) when it grows, so that every step's metadata reads it without
+converting Python ints.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from engine.sequence import Sequence
+import numpy as np
+
+from engine.sequence import NO_BLOCKS, Sequence
 
 
 class BlockManager:
@@ -37,20 +41,21 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_tokens)
         if needed > len(self._free):
             raise RuntimeError(f"allocate {needed} blocks with {len(self._free)} free: check can_allocate first")
-        for _ in range(needed):
-            seq.block_table.append(self._free.popleft())
+        if needed:
+            new = np.fromiter((self._free.popleft() for _ in range(needed)), np.int32, needed)
+            seq.block_table = np.concatenate((seq.block_table, new))
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_table)
-        seq.block_table = []
+        self._free.extend(seq.block_table.tolist())
+        seq.block_table = NO_BLOCKS
 
     def slot(self, seq: Sequence, position: int) -> int:
         """The flat cache slot of token `position` of `seq`."""
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+        return int(seq.block_table[position // self.block_size]) * self.block_size + position % self.block_size
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """Every block is free or owned by exactly one live sequence; raises if not."""
-        owned = [b for s in live for b in s.block_table]
+        owned = [b for s in live for b in s.block_table.tolist()]
         assert len(owned) == len(set(owned)), "a block is in two block tables"
         assert not set(owned) & set(self._free), "a block is both free and owned"
         assert len(owned) + len(self._free) == self.num_blocks, "a block was lost"

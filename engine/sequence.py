@@ -12,6 +12,10 @@ import numpy as np
 from engine.sampling_params import SamplingParams
 
 
+NO_BLOCKS = np.empty(0, np.int32)  # the block table of a sequence that holds none
+NO_BLOCKS.flags.writeable = False
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -25,7 +29,7 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # an engine fault in a step this sequence was part of
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the scheduler's lists look sequences up
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -36,7 +40,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_table: list[int] = field(default_factory=list)
+    block_table: np.ndarray = field(default_factory=lambda: NO_BLOCKS)  # int32 block ids (see BlockManager)
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0

@@ -99,5 +99,5 @@ def test_slots_follow_the_block_table():
     bm.allocate(a, 4)
     bm.allocate(b, 3)
     bm.allocate(a, 5)  # a's second block comes after b's first
-    assert a.block_table == [0, 2] and b.block_table == [1]
+    assert a.block_table.tolist() == [0, 2] and b.block_table.tolist() == [1]
     assert [bm.slot(a, p) for p in range(5)] == [0, 1, 2, 3, 8]

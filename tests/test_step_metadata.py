@@ -45,7 +45,7 @@ def naive(batch: list[ScheduledSeq], shape: StepShape) -> dict[str, list[int]]:
     f["sample_rows"] += padding[: shape.samples - len(f["sample_rows"])]
     f["all_rows"] = list(range(T))
     for i in range(shape.seqs):
-        table = batch[i].seq.block_table if i < len(batch) else []
+        table = batch[i].seq.block_table.tolist() if i < len(batch) else []
         f["tables"] += table + [DUMMY] * (shape.max_blocks - len(table))
     return f
 
@@ -61,7 +61,8 @@ def batches(draw):
         seq.output_ids = output
         start = draw(st.integers(0, seq.num_tokens - 1))
         n = draw(st.integers(1, seq.num_tokens - start))
-        seq.block_table = [free.pop(draw(st.integers(0, len(free) - 1))) for _ in range(-(-(start + n) // BLOCK))]
+        blocks = [free.pop(draw(st.integers(0, len(free) - 1))) for _ in range(-(-(start + n) // BLOCK))]
+        seq.block_table = np.array(blocks, np.int32)
         batch.append(ScheduledSeq(seq, start, n))
     return batch
 

@@ -116,31 +116,43 @@ def decode_shape(batch_size: int, max_blocks: int, partitions: int, invariant: b
 def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int, dummy_block: int,
                    query_rows: int) -> np.ndarray:
     """The fields of FIELDS, concatenated. Padding rows (and rows past the batch, in a
-    graph) read and write only `dummy_block`; samples past the batch sample padding rows."""
-    T, bs = shape.tokens, block_size
-    counts = np.array([s.num_tokens for s in batch], dtype=np.int64)
-    real = int(counts.sum())
+    graph) read and write only `dummy_block`; samples past the batch sample padding rows.
+    (It runs between a step's end and the next one's launch, with the GPU idle: hence
+    one pass over the batch, then numpy.)"""
+    T, bs, n = shape.tokens, block_size, len(batch)
+    starts = np.fromiter((s.start for s in batch), np.int64, n)
+    counts = np.fromiter((s.num_tokens for s in batch), np.int64, n)
+    prompt_lens = np.fromiter((len(s.seq.prompt_ids) for s in batch), np.int64, n)
+    table_lens = np.fromiter((len(s.seq.block_table) for s in batch), np.int64, n)
+    sampling = starts + counts == prompt_lens + np.fromiter((len(s.seq.output_ids) for s in batch), np.int64, n)
     ends = np.cumsum(counts)
-    seq_of_token = np.repeat(np.arange(len(batch)), counts)
-    positions = np.repeat(np.array([s.start for s in batch], np.int64), counts) + np.arange(real) - np.repeat(ends - counts, counts)
-    tables = np.full((shape.seqs, shape.max_blocks), dummy_block, np.int64)
-    for i, s in enumerate(batch):
-        tables[i, : len(s.seq.block_table)] = s.seq.block_table
-    generated = positions >= np.repeat(np.array([len(s.seq.prompt_ids) for s in batch], np.int64), counts)
+    seq_of_token = np.repeat(np.arange(n), counts)
+    positions = np.arange(int(counts.sum())) + np.repeat(starts - (ends - counts), counts)
+    generated = positions >= prompt_lens[seq_of_token]
     row = np.where(generated, np.cumsum(generated) - 1, shape.generated_rows + np.cumsum(~generated) - 1)
 
-    ids, pos, slots = np.zeros(T, np.int64), np.zeros(T, np.int64), np.full(T, dummy_block * bs, np.int64)
-    token_seq = np.arange(T) % shape.seqs
-    ids[row] = [t for s in batch for t in s.seq.tokens(s.start, s.start + s.num_tokens)]
-    pos[row] = positions
-    slots[row] = tables[seq_of_token, positions // bs] * bs + positions % bs
-    token_seq[row] = seq_of_token
-    sample_rows = row[(ends - 1)[np.array([s.samples for s in batch], bool)]].tolist()
-    padding = np.setdiff1d(np.arange(T), row)
-    sample_rows += padding[: shape.samples - len(sample_rows)].tolist()
-    prompt_counts = _prompt_counts(batch).tolist()
-    first_rows = (shape.generated_rows + np.cumsum([0] + prompt_counts[:-1])).tolist() if batch else []
-    tiles = [(r, min(query_rows, start + n - r))
-             for start, n in zip(first_rows, prompt_counts) for r in range(start, start + n, query_rows)]
-    return np.concatenate([ids, pos, slots, token_seq, np.arange(T), sample_rows, tables.ravel(),
-                           np.ravel(tiles)]).astype(np.int32)
+    out = np.empty(sum(field_sizes(shape)), np.int32)
+    f = dict(zip(FIELDS, np.split(out, np.cumsum(field_sizes(shape))[:-1])))
+    tables = f["tables"].reshape(shape.seqs, shape.max_blocks)
+    tables[:] = dummy_block
+    if n:
+        tables[:n][np.arange(shape.max_blocks) < table_lens[:, None]] = np.concatenate([s.seq.block_table for s in batch])
+    f["ids"][:] = 0
+    f["ids"][row] = [t for s in batch for t in s.seq.tokens(s.start, s.start + s.num_tokens)]
+    f["positions"][:] = 0
+    f["positions"][row] = positions
+    f["slots"][:] = dummy_block * bs
+    f["slots"][row] = tables[seq_of_token, positions // bs] * bs + positions % bs
+    f["token_seq"][:] = np.arange(T) % shape.seqs
+    f["token_seq"][row] = seq_of_token
+    f["all_rows"][:] = np.arange(T)
+    padding = np.ones(T, bool)
+    padding[row] = False
+    sample_rows = row[(ends - 1)[sampling]]
+    f["sample_rows"][: len(sample_rows)] = sample_rows
+    f["sample_rows"][len(sample_rows) :] = np.flatnonzero(padding)[: shape.samples - len(sample_rows)]
+    prompt_counts = np.maximum(0, np.minimum(starts + counts, prompt_lens) - starts)
+    first_rows = shape.generated_rows + np.cumsum(prompt_counts) - prompt_counts
+    f["prompt_tiles"][:] = [x for first, m in zip(first_rows.tolist(), prompt_counts.tolist()) if m
+                            for r in range(first, first + m, query_rows) for x in (r, min(query_rows, first + m - r))]
+    return out
