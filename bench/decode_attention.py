@@ -1,0 +1,94 @@
+"""Decode attention alone (paged_attention_partial, pass 1): the K/V bytes it reads per
+second against the bandwidth floor, at the Llama 3.2 1B shape (32 query heads, 8 KV
+heads, head_dim 64, 16-token blocks scattered over the cache), for a few batches and
+the engine's 512-position partitions (and 1024 for comparison).
+
+    python bench/decode_attention.py [--source FILE]   # on a machine with an NVIDIA GPU
+
+--source compiles another version of cuda_src/attention.cu with the same signature,
+e.g. an earlier commit's: `git show 6dcb723:cuda_src/attention.cu > /tmp/old.cu`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pycuda.autoprimaryctx  # noqa: F401
+import pycuda.driver as cuda
+import pycuda.gpuarray as gpuarray
+from pycuda.compiler import SourceModule
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.weights import f32_to_bf16_bits  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16
+BANDWIDTH = 4.27e12  # the H200's measured read bandwidth (bytes/s), as in the other benchmarks
+REPEATS = 30
+
+
+def inputs(contexts: list[int], rng: np.random.Generator) -> dict:
+    """Random bf16 Q and cache; each sequence's blocks drawn from a shuffled pool."""
+    blocks = [-(-c // BLOCK) for c in contexts]
+    pool = rng.permutation(sum(blocks))
+    tables = np.zeros((len(contexts), max(blocks)), np.int32)
+    for i, n in enumerate(blocks):
+        tables[i, :n] = pool[sum(blocks[:i]) : sum(blocks[: i + 1])]
+    slots = (sum(blocks)) * BLOCK
+    bf16 = lambda shape: gpuarray.to_gpu(f32_to_bf16_bits(rng.standard_normal(shape, np.float32)))  # noqa: E731
+    return {
+        "qkv": bf16((len(contexts), (HEADS + 2 * KV_HEADS) * HEAD_DIM)),
+        "k": bf16((slots, KV_HEADS, HEAD_DIM)), "v": bf16((slots, KV_HEADS, HEAD_DIM)),
+        "tables": gpuarray.to_gpu(tables), "max_blocks": tables.shape[1],
+        "token_seq": gpuarray.to_gpu(np.arange(len(contexts), dtype=np.int32)),
+        "positions": gpuarray.to_gpu(np.array(contexts, np.int32) - 1),
+        "bytes": sum(contexts) * KV_HEADS * HEAD_DIM * 2 * 2, "longest": max(contexts), "tokens": len(contexts),
+    }
+
+
+def time_kernel(fn, x: dict, partition: int) -> float:
+    """Mean time of one launch, in seconds."""
+    P, T = math.ceil(x["longest"] / partition), x["tokens"]
+    acc, m, s = (gpuarray.empty(shape, np.float32) for shape in ((T, HEADS, P, HEAD_DIM), (T, HEADS, P), (T, HEADS, P)))
+    args = (acc, m, s, x["qkv"], x["k"], x["v"], x["tables"], np.int32(x["max_blocks"]), x["token_seq"], x["positions"],
+            np.int32(HEADS), np.int32(KV_HEADS), np.int32(BLOCK), np.int32(partition), np.float32(HEAD_DIM ** -0.5))
+    for _ in range(3):
+        fn(*args, block=(128, 1, 1), grid=(T, KV_HEADS, P))
+    start, end = cuda.Event(), cuda.Event()
+    start.record()
+    for _ in range(REPEATS):
+        fn(*args, block=(128, 1, 1), grid=(T, KV_HEADS, P))
+    end.record()
+    end.synchronize()
+    return end.time_since(start) / REPEATS / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", type=Path, default=ROOT / "cuda_src" / "attention.cu")
+    args = ap.parse_args()
+    major, minor = cuda.Context.get_device().compute_capability()
+    module = SourceModule(args.source.read_text(), no_extern_c=True, arch=f"sm_{major}{minor}",
+                          options=["-O3", f"-DHEAD_DIM={HEAD_DIM}", f"-DGROUP={HEADS // KV_HEADS}"],
+                          include_dirs=[str(ROOT / "cuda_src")])
+    fn = module.get_function("paged_attention_partial")
+    print(f"{args.source.name}: {fn.num_regs} registers a thread, {fn.local_size_bytes} bytes of local memory")
+    rng = np.random.default_rng(0)
+    cases = {"256 x context 850": [850] * 256, "256 x context U(100, 2000)": rng.integers(100, 2001, 256).tolist(),
+             "64 x context 300": [300] * 64}
+    print(f"{'batch':>26} | {'partition':>9} | {'us':>7} | {'K/V TB/s':>8} | {'floor us':>8}")
+    for name, contexts in cases.items():
+        x = inputs(contexts, rng)
+        for partition in (512, 1024):
+            seconds = time_kernel(fn, x, partition)
+            print(f"{name:>26} | {partition:>9} | {seconds * 1e6:7.1f} | {x['bytes'] / seconds / 1e12:8.2f} | "
+                  f"{x['bytes'] / BANDWIDTH * 1e6:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
