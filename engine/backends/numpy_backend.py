@@ -103,7 +103,7 @@ class NumpyBackend:
         self.k_cache = [np.zeros(shape, np.float32) for _ in range(c.num_layers)]
         self.v_cache = [np.zeros(shape, np.float32) for _ in range(c.num_layers)]
 
-    def _slots(self, block_table: list[int], length: int) -> np.ndarray:
+    def _slots(self, block_table: np.ndarray, length: int) -> np.ndarray:
         blocks = np.asarray(block_table, dtype=np.int64)
         return (blocks[:, None] * self.block_size + np.arange(self.block_size)).ravel()[:length]
 
