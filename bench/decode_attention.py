@@ -34,13 +34,15 @@ REPEATS = 30
 
 def inputs(contexts: list[int], rng: np.random.Generator) -> dict:
     """Random bf16 Q and cache; each sequence's blocks drawn from a shuffled pool."""
-    blocks = [-(-c // BLOCK) for c in contexts]
-    pool = rng.permutation(sum(blocks))
-    tables = np.zeros((len(contexts), max(blocks)), np.int32)
-    for i, n in enumerate(blocks):
-        tables[i, :n] = pool[sum(blocks[:i]) : sum(blocks[: i + 1])]
-    slots = (sum(blocks)) * BLOCK
-    bf16 = lambda shape: gpuarray.to_gpu(f32_to_bf16_bits(rng.standard_normal(shape, np.float32)))  # noqa: E731
+    blocks = np.array([-(-c // BLOCK) for c in contexts])
+    pool, ends = rng.permutation(blocks.sum()), np.cumsum(blocks)
+    tables = np.zeros((len(contexts), blocks.max()), np.int32)
+    for i, (n, end) in enumerate(zip(blocks, ends)):
+        tables[i, :n] = pool[end - n : end]
+    slots = int(blocks.sum()) * BLOCK
+
+    def bf16(shape: tuple[int, ...]) -> gpuarray.GPUArray:
+        return gpuarray.to_gpu(f32_to_bf16_bits(rng.standard_normal(shape, np.float32)))
     return {
         "qkv": bf16((len(contexts), (HEADS + 2 * KV_HEADS) * HEAD_DIM)),
         "k": bf16((slots, KV_HEADS, HEAD_DIM)), "v": bf16((slots, KV_HEADS, HEAD_DIM)),

@@ -86,14 +86,16 @@ class StepTimeline:
         self.backend, self.steps = backend, []
         launch = backend.launch
 
+        def mark() -> cuda.Event:
+            with backend._context():
+                event = cuda.Event()
+                event.record(backend.stream)
+            return event
+
         def timed_launch(batch):
-            with backend._context():
-                begin = cuda.Event()
-                begin.record(backend.stream)
+            begin = mark()
             wait = launch(batch)
-            with backend._context():
-                end = cuda.Event()
-                end.record(backend.stream)
+            end = mark()
             record = {"prefill": any(s.start < len(s.seq.prompt_ids) for s in batch), "rows": len(batch),
                       "events": (begin, end), "blocked": 0.0}
             self.steps.append(record)

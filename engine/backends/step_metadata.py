@@ -85,14 +85,22 @@ def _round_up(n: int, tile: int) -> int:
     return -(-n // tile) * tile
 
 
-def _prompt_counts(batch: list[ScheduledSeq]) -> np.ndarray:
+def _columns(batch: list[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each scheduled sequence's first position in this step, its tokens in this step and its prompt length."""
+    n = len(batch)
+    return (np.fromiter((s.start for s in batch), np.int64, n), np.fromiter((s.num_tokens for s in batch), np.int64, n),
+            np.fromiter((len(s.seq.prompt_ids) for s in batch), np.int64, n))
+
+
+def _prompt_counts(starts: np.ndarray, counts: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray:
     """Prompt tokens of each scheduled sequence in this step."""
-    return np.array([max(0, min(s.start + s.num_tokens, len(s.seq.prompt_ids)) - s.start) for s in batch], np.int64)
+    return np.maximum(0, np.minimum(starts + counts, prompt_lens) - starts)
 
 
 def step_shape(batch: list[ScheduledSeq], partition: int, query_rows: int, invariant: bool) -> StepShape:
-    prompt = _prompt_counts(batch)
-    generated = sum(s.num_tokens for s in batch) - int(prompt.sum())
+    starts, counts, prompt_lens = _columns(batch)
+    prompt = _prompt_counts(starts, counts, prompt_lens)
+    generated = int(counts.sum() - prompt.sum())
     return StepShape(
         generated=generated,
         generated_rows=_round_up(generated, GENERATED_TILE if invariant else 1),
@@ -101,7 +109,7 @@ def step_shape(batch: list[ScheduledSeq], partition: int, query_rows: int, invar
         samples=sum(s.samples for s in batch),
         seqs=len(batch),
         max_blocks=max(len(s.seq.block_table) for s in batch),
-        partitions=math.ceil(max(s.start + s.num_tokens for s in batch) / partition),
+        partitions=math.ceil(int((starts + counts).max()) / partition),
         invariant=invariant,
     )
 
@@ -120,11 +128,9 @@ def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int,
     (It runs between a step's end and the next one's launch, with the GPU idle: hence
     one pass over the batch, then numpy.)"""
     T, bs, n = shape.tokens, block_size, len(batch)
-    starts = np.fromiter((s.start for s in batch), np.int64, n)
-    counts = np.fromiter((s.num_tokens for s in batch), np.int64, n)
-    prompt_lens = np.fromiter((len(s.seq.prompt_ids) for s in batch), np.int64, n)
+    starts, counts, prompt_lens = _columns(batch)
     table_lens = np.fromiter((len(s.seq.block_table) for s in batch), np.int64, n)
-    sampling = starts + counts == prompt_lens + np.fromiter((len(s.seq.output_ids) for s in batch), np.int64, n)
+    sampling = np.fromiter((s.samples for s in batch), bool, n)
     ends = np.cumsum(counts)
     seq_of_token = np.repeat(np.arange(n), counts)
     positions = np.arange(int(counts.sum())) + np.repeat(starts - (ends - counts), counts)
@@ -151,7 +157,7 @@ def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int,
     sample_rows = row[(ends - 1)[sampling]]
     f["sample_rows"][: len(sample_rows)] = sample_rows
     f["sample_rows"][len(sample_rows) :] = np.flatnonzero(padding)[: shape.samples - len(sample_rows)]
-    prompt_counts = np.maximum(0, np.minimum(starts + counts, prompt_lens) - starts)
+    prompt_counts = _prompt_counts(starts, counts, prompt_lens)
     first_rows = shape.generated_rows + np.cumsum(prompt_counts) - prompt_counts
     f["prompt_tiles"][:] = [x for first, m in zip(first_rows.tolist(), prompt_counts.tolist()) if m
                             for r in range(first, first + m, query_rows) for x in (r, min(query_rows, first + m - r))]
