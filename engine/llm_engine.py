@@ -6,6 +6,7 @@ Not thread-safe: one thread (EngineLoop's) owns it, and with it the backend.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,7 +16,7 @@ from engine.output import OutputStream, RequestOutput, Usage
 from engine.sampler import SampleOutput
 from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import PENDING, FinishReason, Sequence
 
 
 @dataclass
@@ -39,9 +40,11 @@ class LLMEngine:
         cache_tokens = config.num_kv_blocks * config.block_size
         self.max_model_len = min(model.config.max_position_embeddings, cache_tokens, config.max_model_len or cache_tokens)
         self._streams: dict[str, OutputStream] = {}
-        self._last_batch: list[ScheduledSeq] = []  # the batch begun last, until it ends
-        self._wait: Callable[[], list[SampleOutput | None]] | None = None  # its samples, when they are ready
+        # batches launched and not yet ended, oldest first, each with what waits for its samples
+        self._in_flight: deque[tuple[list[ScheduledSeq], Callable[[], list[SampleOutput | None]]]] = deque()
+        self._launching: list[ScheduledSeq] = []  # a batch being queued on the backend
         self._unsent: list[OutputStream] = []  # streams with recorded tokens not yet emitted
+        self._with_penalties = 0  # live requests whose sampling reads their earlier tokens
 
     # -- admission (pure: safe to call from any thread) -------------------------
     def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -72,10 +75,11 @@ class LLMEngine:
     # -- the engine thread's side -----------------------------------------------
     def add(self, seq: Sequence) -> None:
         self._streams[seq.request_id] = OutputStream(seq, self.tokenizer)
+        self._with_penalties += seq.params.has_penalties
         self.scheduler.add(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._unsent)
+        return self.scheduler.has_work() or bool(self._in_flight) or bool(self._unsent)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         stream = self._streams.get(request_id)
@@ -85,47 +89,59 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return its deltas (finished requests' last ones included)."""
-        if self.begin_step():
+        self.begin_step()
+        while self._in_flight:
             self.end_step()
         return self.emit()
 
     def step_overlapped(self, on_deltas: Callable[[list[RequestOutput]], None]) -> bool:
-        """One step with the host work of the previous one hidden under it: begin this
-        step's batch, hand the previous step's deltas to `on_deltas` while the backend
-        computes, then wait for the batch. Its deltas come out of the next call
-        (has_work() stays true until they have). False if no batch ran."""
+        """One step with the host's work hidden under the device's: schedule and launch
+        a batch while the previous one still runs (the tokens that one samples reach
+        this one on the device: see PENDING), then end the previous batch and hand its
+        deltas to `on_deltas` while the device computes this one. Deltas come out one
+        call late (has_work() stays true until they have). False if no batch ran.
+        Requests with penalties need their tokens on the host before the next
+        sampling: while any runs, a batch is ended before the next is scheduled."""
+        if self._with_penalties:
+            while self._in_flight:
+                self.end_step()
         launched = self.begin_step()
-        on_deltas(self.emit())
-        if launched:
+        if len(self._in_flight) > 1 or (self._in_flight and not launched):
             self.end_step()
+        on_deltas(self.emit())
         return launched
 
     # The parts of a step: begin_step, end_step, emit.
     def begin_step(self) -> bool:
-        """Schedule a batch and queue it on the backend; False if nothing was scheduled."""
-        batch = self._last_batch = self.scheduler.schedule()
+        """Schedule a batch and queue it on the backend; False if nothing was scheduled.
+        Its sampled tokens are PENDING until end_step."""
+        batch = self.scheduler.schedule()
         if not batch:
             return False
-        self._wait = self.backend.launch(batch)
+        self._launching = batch
+        wait = self.backend.launch(batch)
+        self._launching = []
+        for scheduled in batch:
+            if scheduled.samples:
+                scheduled.seq.output_ids.append(PENDING)
+            scheduled.seq.num_computed_tokens += scheduled.num_tokens
+        self._in_flight.append((batch, wait))
         return True
 
     def end_step(self) -> None:
-        """Wait for the batch begun last, record its tokens and take the sequences that
-        hit a stop token or their length out of the schedule. Deltas wait for emit()."""
-        wait, self._wait = self._wait, None
+        """Wait for the oldest batch in flight, record its tokens and take the sequences
+        that hit a stop token or their length out of the schedule. Deltas wait for emit()."""
+        batch, wait = self._in_flight[0]
         samples = wait()
-        for scheduled, sample in zip(self._last_batch, samples):
+        self._in_flight.popleft()
+        for scheduled, sample in zip(batch, samples):
             seq = scheduled.seq
-            if seq.is_finished:  # ended by a stop string while this step ran: drop its token
-                continue
-            seq.num_computed_tokens += scheduled.num_tokens
-            if sample is None:
+            if sample is None or seq.is_finished:  # (ended while this batch ran: its token is dropped)
                 continue
             stream = self._streams[seq.request_id]
             if stream.record(sample):
                 self.scheduler.finish(seq)
             self._unsent.append(stream)
-        self._last_batch = []
 
     def emit(self) -> list[RequestOutput]:
         """The deltas of the tokens recorded since the last call."""
@@ -140,13 +156,15 @@ class LLMEngine:
     def fail_step(self, error: str) -> list[RequestOutput]:
         """After begin_step, end_step or emit raised: end the requests they were working
         on with an error; the rest go on."""
-        doomed = [s.seq for s in self._last_batch] + [stream.seq for stream in self._unsent]
+        launched = [s.seq for batch, _ in self._in_flight for s in batch]
+        doomed = launched + [s.seq for s in self._launching] + [stream.seq for stream in self._unsent]
         failed = [
             self._finish(seq, RequestOutput(seq.request_id, finish_reason=FinishReason.ERROR, error=error))
             for seq in doomed
             if seq.request_id in self._streams  # (checked as the list is built: each fails once)
         ]
-        self._last_batch, self._wait, self._unsent = [], None, []
+        self._in_flight.clear()
+        self._launching, self._unsent = [], []
         return failed
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -158,6 +176,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
         self.scheduler.finish(seq)
+        seq.drop_pending()
+        self._with_penalties -= seq.params.has_penalties
         del self._streams[seq.request_id]
         now = time.monotonic()
         first = seq.first_token_time or now

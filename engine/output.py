@@ -61,10 +61,10 @@ def _partial_stop_suffix(text: str, stops: list[str]) -> int:
 class OutputStream:
     """Per sequence: records sampled tokens, applies the stop rules, yields deltas.
 
-    Recording is cheap and happens as soon as a step's tokens are back: it decides the
-    stops the next step's schedule needs (a stop token, the length). Emitting does the
-    rest (detokenizing, stop strings) and may run while the GPU computes the next step;
-    a stop string found then drops the tokens recorded after it.
+    Recording is cheap and happens as soon as a step's tokens are back: it puts the
+    token in place of the step's PENDING one and decides the stops (a stop token, the
+    length). Emitting does the rest (detokenizing, stop strings) and may run while the
+    GPU computes the next step; a stop string found then drops the tokens after it.
 
     Stop strings are never emitted, so text that could still be the start of one
     is held back until it can no longer match.
@@ -79,26 +79,30 @@ class OutputStream:
         # (both are banned before min_tokens, so sampling one means the end)
         self.stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(seq.eos_token_ids))
         self.unsent: list[SampleOutput] = []  # recorded, not yet emitted
+        self.recorded = 0  # output tokens back from the device (those after it are PENDING)
         self.finish_reason: FinishReason | None = None  # set by record(): a stop token or the length
 
     def record(self, sample: SampleOutput) -> bool:
-        """Append a sampled token to the sequence; True if it ends the sequence."""
+        """Put a sampled token in place of its PENDING one; True if it ends the sequence."""
         seq = self.seq
-        seq.output_ids.append(sample.token_id)
+        seq.output_ids[self.recorded] = sample.token_id
+        self.recorded += 1
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         self.unsent.append(sample)
         if sample.token_id in self.stop_ids:
             self.finish_reason = FinishReason.STOP
-        elif len(seq.output_ids) >= seq.max_tokens:
+        elif self.recorded >= seq.max_tokens:
             self.finish_reason = FinishReason.LENGTH
+        if self.finish_reason is not None:
+            seq.drop_pending()  # (sampled by a step that ran ahead)
         return self.finish_reason is not None
 
     def emit(self) -> RequestOutput:
         """The delta of the tokens recorded since the last call."""
         seq, params = self.seq, self.seq.params
         out = RequestOutput(seq.request_id)
-        first = len(seq.output_ids) - len(self.unsent)  # index of the first unsent token
+        first = self.recorded - len(self.unsent)  # index of the first unsent token
         for i, sample in enumerate(self.unsent):
             token, last = sample.token_id, i == len(self.unsent) - 1
             out.token_ids.append(token)

@@ -38,6 +38,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the tokens generated so far."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
     def validate(self, vocab_size: int) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:

@@ -50,6 +50,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.all_sampled:  # its last token is still on its way back: nothing left to compute
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             end = seq.num_computed_tokens + n
             if self.block_manager.blocks_needed(seq, end):  # (most steps of a decode need none)

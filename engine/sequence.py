@@ -14,6 +14,9 @@ from engine.sampling_params import SamplingParams
 
 NO_BLOCKS = np.empty(0, np.int32)  # the block table of a sequence that holds none
 NO_BLOCKS.flags.writeable = False
+# An output token sampled on the device and not yet back: the backend that sampled it
+# reads it from its own previous step. Only ever the last token of a sequence.
+PENDING = -1
 
 
 class SequenceStatus(enum.Enum):
@@ -72,6 +75,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def all_sampled(self) -> bool:
+        """Whether every token it may generate has been sampled (some maybe still PENDING)."""
+        return len(self.output_ids) >= self.max_tokens
+
+    def drop_pending(self) -> None:
+        """Forget a PENDING token (the sequence ended before it came back)."""
+        if self.output_ids and self.output_ids[-1] == PENDING:
+            self.output_ids.pop()
 
     def banned_token_ids(self) -> list[int]:
         """Tokens that would end the sequence before min_tokens."""

@@ -1,12 +1,15 @@
-"""Overlapped stepping (EngineLoop's: a step's deltas are emitted while the next step
-runs) emits exactly what plain steps do, stop strings included: a sequence that a
-stop string ends has already begun its next step, whose token is dropped."""
+"""Overlapped stepping (EngineLoop's: the next batch is scheduled and launched before
+the previous one's tokens are back, and a step's deltas are emitted while the next
+step runs) emits exactly what plain steps do, stops included: a sequence that a stop
+token, a stop string or its length ends has already begun its next step, whose token
+is dropped."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.sampling_params import SamplingParams
+from engine.sequence import PENDING
 from tests.conftest import make_engine, run, text, tokens
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Count to five.", "Name three colours."]
@@ -33,19 +36,48 @@ def stops(smollm2, prompts):
     return [a[len(a) // 2 : len(a) // 2 + 3] for a in answers]
 
 
+class LaunchLog:
+    """Wraps a backend; counts the most launches that were in flight at once, and
+    launches that gave a request with penalties a PENDING token."""
+
+    def __init__(self, inner):
+        self.inner, self.in_flight, self.most_in_flight, self.penalised_pending = inner, 0, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def launch(self, batch):
+        self.penalised_pending += any(PENDING in s.seq.output_ids for s in batch if s.seq.params.has_penalties)
+        wait = self.inner.launch(batch)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+        def counted_wait():
+            self.in_flight -= 1
+            return wait()
+        return counted_wait
+
+
 @pytest.mark.parametrize("config", [dict(), dict(max_num_batched_tokens=16), dict(num_kv_blocks=8, max_num_batched_tokens=24)],
                          ids=["one batch", "chunked prefill", "preemption"])
-def test_overlapped_steps_emit_what_plain_steps_do(smollm2, prompts, stops, config):
+@pytest.mark.parametrize("penalised", [False, True], ids=["run ahead", "with a penalised request"])
+def test_overlapped_steps_emit_what_plain_steps_do(smollm2, prompts, stops, config, penalised):
+    """While a request with penalties runs, overlapped steps wait for each batch's
+    tokens before scheduling the next one (its sampling reads them on the host)."""
     params = [SamplingParams(temperature=0.0, max_tokens=24, stop=[stops[0]]),  # a stop string
               SamplingParams(temperature=0.0, max_tokens=24, stop=[stops[1]], min_tokens=2),
               SamplingParams(temperature=0.0, max_tokens=5),  # its length
               SamplingParams(temperature=0.8, seed=3, max_tokens=24)]  # eos, sampled
+    if penalised:
+        params[2] = SamplingParams(temperature=0.0, max_tokens=5, repetition_penalty=1.3)
     results = []
     for overlapped in (False, True):
         engine = make_engine(smollm2, **config)
+        engine.backend = log = LaunchLog(engine.backend)
         seqs = [engine.make_sequence(f"r{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params))]
         results.append(summary(run(engine, seqs[:2], {2: seqs[2:]}, overlapped=overlapped)))
         assert (engine.scheduler.num_preemptions > 0) == ("num_kv_blocks" in config)
+        assert log.most_in_flight == (2 if overlapped else 1) and log.penalised_pending == 0
     assert results[1] == results[0]
     assert results[0]["r0"][3] == stops[0] and results[0]["r1"][3] == stops[1]
     assert results[0]["r2"][2].name == "LENGTH"

@@ -11,14 +11,15 @@ from engine.backends.step_metadata import (
 )
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
+from engine.sequence import PENDING, Sequence
 
 BLOCK, DUMMY, QUERY_ROWS = 4, 999, 3
 
 
-def naive(batch: list[ScheduledSeq], shape: StepShape) -> dict[str, list[int]]:
+def naive(batch: list[ScheduledSeq], shape: StepShape, previous: dict[Sequence, int] | None = None) -> dict[str, list[int]]:
     """One token at a time, straight from the definitions: generated tokens from row 0,
-    prompt tokens from row shape.generated_rows, padding rows everywhere else."""
+    prompt tokens from row shape.generated_rows, padding rows everywhere else; a
+    PENDING token as -(its index in the previous step's samples + 1)."""
     T = shape.tokens
     f = {"ids": [0] * T, "positions": [0] * T, "slots": [DUMMY * BLOCK] * T, "token_seq": [t % shape.seqs for t in range(T)]}
     next_row = {True: 0, False: shape.generated_rows}
@@ -33,7 +34,8 @@ def naive(batch: list[ScheduledSeq], shape: StepShape) -> dict[str, list[int]]:
                     f["prompt_tiles"] += [r, 0]
                 f["prompt_tiles"][-1] += 1
             next_row[generated] += 1
-            f["ids"][r] = (s.seq.prompt_ids + s.seq.output_ids)[p]
+            token = (s.seq.prompt_ids + s.seq.output_ids)[p]
+            f["ids"][r] = -1 - previous[s.seq] if token == PENDING else token
             f["positions"][r] = p
             f["slots"][r] = s.seq.block_table[p // BLOCK] * BLOCK + p % BLOCK
             f["token_seq"][r] = i
@@ -52,11 +54,14 @@ def naive(batch: list[ScheduledSeq], shape: StepShape) -> dict[str, list[int]]:
 
 @st.composite
 def batches(draw):
+    """A batch; some sequences end in a PENDING token, sampled by the previous step."""
     free = list(range(200))
     batch = []
     for i in range(draw(st.integers(1, 6))):
         prompt = draw(st.lists(st.integers(0, 500), min_size=1, max_size=30))
         output = draw(st.lists(st.integers(0, 500), max_size=10))
+        if output and draw(st.booleans()):
+            output[-1] = PENDING
         seq = Sequence(f"r{i}", prompt, SamplingParams(seed=0), 50)
         seq.output_ids = output
         start = draw(st.integers(0, seq.num_tokens - 1))
@@ -73,8 +78,9 @@ def test_metadata_matches_the_per_token_definition(batch, padding, invariant):
     shape = step_shape(batch, partition=512, query_rows=QUERY_ROWS, invariant=invariant)
     if padding and all(s.num_tokens == 1 and s.samples and s.start >= len(s.seq.prompt_ids) for s in batch):
         shape = decode_shape(len(batch) + padding, max_blocks=shape.max_blocks + 2, partitions=8, invariant=invariant)  # a graph's
-    got = build_metadata(batch, shape, BLOCK, DUMMY, QUERY_ROWS)
-    expected = naive(batch, shape)
+    previous = {s.seq: 7 * i + 2 for i, s in enumerate(batch)}  # (any distinct places)
+    got = build_metadata(batch, shape, BLOCK, DUMMY, QUERY_ROWS, previous)
+    expected = naive(batch, shape, previous)
     offsets = np.cumsum([0] + field_sizes(shape))
     assert len(got) == offsets[-1]
     for name, a, b in zip(FIELDS, offsets, offsets[1:]):

@@ -28,6 +28,7 @@ from engine.backends.step_metadata import FIELDS, StepShape, build_metadata, dec
 from engine.config import ModelConfig
 from engine.sampler import SampleOutput, TokenLogprob, log_softmax
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 from engine.weights import Weights, f32_to_bf16_bits
 
 log = logging.getLogger("llamastream.engine")
@@ -55,7 +56,7 @@ class Kernels:
     """The kernels of cuda_src/, compiled for this device and prepared for launch."""
 
     SIGNATURES = {
-        "embedding_gather": ("embedding.cu", "PPPi"),
+        "embedding_gather": ("embedding.cu", "PPPPi"),
         "add_rmsnorm": ("rmsnorm.cu", "PPPPPif"),
         "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
         "paged_attention_partial": ("attention.cu", "PPPPPPPiPPiiiif"),
@@ -173,7 +174,6 @@ class CudaBackend:
             self.blas = Cublas(self.stream.handle, int(self.workspace), WORKSPACE_BYTES)
             self._upload_weights(weights)
             self.inv_freq = gpuarray.to_gpu(config.rope_inv_freq())
-            self._tokens_host = cuda.pagelocked_empty(256, np.int32)  # sampled tokens come back here
             self._step_done = cuda.Event()
         log.info("CUDA backend on %s: %.2f GB of bfloat16 weights", self.device.name(), self.weight_bytes / 1e9)
         self.block_size = 0
@@ -182,6 +182,7 @@ class CudaBackend:
         self.v_cache: list[gpuarray.GPUArray] = []
         self._graph_settings = (cuda_graphs, graph_max_batch, graph_max_context)
         self.graphs: DecodeGraphs | None = None
+        self._previous_samples: dict[Sequence, int] = {}  # where the last step's tokens sit in `sampled`
 
     @contextlib.contextmanager
     def _context(self):
@@ -237,6 +238,11 @@ class CudaBackend:
         with self._context():
             self.k_cache = [gpuarray.empty(shape, np.uint16) for _ in range(c.num_layers)]
             self.v_cache = [gpuarray.empty(shape, np.uint16) for _ in range(c.num_layers)]
+            # A step samples at most one token per sequence, and each holds a block. The
+            # device buffer stays put (graphs read it); the host has two, so that one
+            # step's copy never lands on tokens the host has not read yet.
+            self.sampled = gpuarray.empty(num_blocks, np.int32)
+            self._tokens_host = [cuda.pagelocked_empty(num_blocks, np.int32) for _ in range(2)]
         self.block_size, self.dummy_block = block_size, num_blocks
         enabled, max_batch, max_context = self._graph_settings
         self.graphs = DecodeGraphs(self, max_batch, max_context) if enabled else None
@@ -256,7 +262,7 @@ class CudaBackend:
         return gpuarray.to_gpu_async(np.asarray(values, dtype=dtype), allocator=self.pool.allocate, stream=self.stream)
 
     def _metadata(self, batch: list[ScheduledSeq], shape: StepShape) -> np.ndarray:
-        return build_metadata(batch, shape, self.block_size, self.dummy_block, self.query_rows)
+        return build_metadata(batch, shape, self.block_size, self.dummy_block, self.query_rows, self._previous_samples)
 
     def _launch(self, b: StepBuffers, shape: StepShape) -> None:
         """Queue the whole forward pass for `shape` on the stream (no allocation, no sync)."""
@@ -266,7 +272,8 @@ class CudaBackend:
         eps = np.float32(c.rms_norm_eps)
         rope_threads = min(1024, (c.num_heads + KVH) * D // 2)
         tiles = shape.gemm_tiles()
-        k.embedding_gather.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(self.embed), m["ids"], np.int32(H))
+        k.embedding_gather.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(self.embed), m["ids"],
+                                               _ptr(self.sampled), np.int32(H))
         has_delta = np.uintp(0)
         for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
             k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), has_delta, _ptr(layer["attn_norm"]),
@@ -356,11 +363,13 @@ class CudaBackend:
 
     def launch(self, batch: list[ScheduledSeq]) -> Callable[[], list[SampleOutput | None]]:
         """Queue the step (forward pass, sampling, the copy of the chosen tokens to the
-        host) and return at once; the returned function waits for its samples."""
+        host) and return at once; the returned function waits for its samples. PENDING
+        tokens of the batch are read from the previous step's samples on the device."""
         sampling = [s.seq for s in batch if s.samples]
         with self._context():
             collect = self._sample(self._forward(batch), sampling) if sampling else list
             self._step_done.record(self.stream)
+        self._previous_samples = {seq: i for i, seq in enumerate(sampling)}
 
         def wait() -> list[SampleOutput | None]:
             with self._context():
@@ -393,12 +402,11 @@ class CudaBackend:
         ])
         uploaded = self._upload(fields, np.int32)
         args = [np.uintp(int(uploaded.gpudata) + 4 * S * i) for i in range(len(fields))]
-        out = self._empty((S,), np.int32)
-        self.kernels.sample_tokens.prepared_async_call((S, 1), (1024, 1, 1), st, _ptr(out), _ptr(logits), np.int32(V), *args)
-        if len(self._tokens_host) < S:
-            self._tokens_host = cuda.pagelocked_empty(max(S, 2 * len(self._tokens_host)), np.int32)
-        tokens = self._tokens_host[:S]
-        cuda.memcpy_dtoh_async(tokens, out.gpudata, st)
+        self.kernels.sample_tokens.prepared_async_call((S, 1), (1024, 1, 1), st, _ptr(self.sampled), _ptr(logits),
+                                                       np.int32(V), *args)
+        self._tokens_host.reverse()
+        tokens = self._tokens_host[0][:S]
+        cuda.memcpy_dtoh_async(tokens, self.sampled.gpudata, st)
 
         def collect() -> list[SampleOutput]:
             results = []
@@ -417,7 +425,7 @@ class CudaBackend:
         for i, q in enumerate(seqs):
             pp = q.params
             ban = set(q.banned_token_ids())  # one entry per token: two would race
-            if pp.repetition_penalty != 1.0 or pp.presence_penalty or pp.frequency_penalty:
+            if pp.has_penalties:
                 seen = np.unique(np.asarray(q.prompt_ids + q.output_ids))
                 out_ids, out_counts = np.unique(np.asarray(q.output_ids, dtype=np.int64), return_counts=True)
                 count = dict(zip(out_ids.tolist(), out_counts.tolist()))

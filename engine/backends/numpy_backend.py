@@ -13,6 +13,7 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.sampler import SampleOutput, sample
 from engine.scheduler import ScheduledSeq
+from engine.sequence import PENDING, Sequence
 from engine.weights import Weights
 
 
@@ -91,6 +92,7 @@ class NumpyBackend:
         self.block_size = 0
         self.k_cache: list[np.ndarray] = []
         self.v_cache: list[np.ndarray] = []
+        self._sampled: dict[Sequence, int] = {}  # the last step's tokens, for its PENDING ones
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.config
@@ -110,7 +112,7 @@ class NumpyBackend:
     def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
         """Run the scheduled tokens; return logits [sampling sequences, vocab]."""
         c = self.config
-        ids = np.concatenate([np.asarray(s.seq.tokens(s.start, s.start + s.num_tokens)) for s in batch])
+        ids = np.concatenate([self._tokens(s) for s in batch])
         positions = np.concatenate([np.arange(s.start, s.start + s.num_tokens) for s in batch])
         seq_slots = [self._slots(s.seq.block_table, s.start + s.num_tokens) for s in batch]
         new_slots = np.concatenate([slots[s.start :] for s, slots in zip(batch, seq_slots)])
@@ -136,9 +138,18 @@ class NumpyBackend:
         last = [bounds[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
         return rms_norm(x[last], self.final_norm, c.rms_norm_eps) @ self.lm_head.T
 
+    def _tokens(self, s: ScheduledSeq) -> list[int]:
+        """The step's input tokens; a PENDING one is the one this backend sampled last step."""
+        tokens = s.seq.tokens(s.start, s.start + s.num_tokens)
+        if tokens[-1] == PENDING:
+            tokens[-1] = self._sampled[s.seq]
+        return tokens
+
     def execute(self, batch: list[ScheduledSeq]) -> list[SampleOutput | None]:
         logits = iter(self.forward(batch))
-        return [self._sample(s, next(logits)) if s.samples else None for s in batch]
+        samples = [self._sample(s, next(logits)) if s.samples else None for s in batch]
+        self._sampled = {s.seq: out.token_id for s, out in zip(batch, samples) if out is not None}
+        return samples
 
     def launch(self, batch: list[ScheduledSeq]) -> Callable[[], list[SampleOutput | None]]:
         """The CPU computes as it is asked: the step is done when this returns."""

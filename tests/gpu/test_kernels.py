@@ -67,11 +67,17 @@ def launch(fn, grid, block, *args):
 
 @pytest.mark.parametrize("tokens, hidden", [(1, 64), (37, 2048), (5, 576)])
 def test_embedding_gather(kernels, tokens, hidden):
+    """Ids from the host, and (negative) ones that name a token sampled on the device."""
     table = RNG.standard_normal((300, hidden)).astype(np.float32)
     ids = RNG.integers(0, 300, tokens)
+    sampled = RNG.integers(0, 300, 7)
+    on_device = RNG.random(tokens) < 0.5
+    source = RNG.integers(0, 7, tokens)
+    encoded = np.where(on_device, -(source + 1), ids)
     out = gpuarray.to_gpu(np.full((tokens, hidden), np.nan, np.float32))
-    launch(kernels.embedding_gather, (tokens, 1), (256, 1, 1), out, up_bf16(table), i32(ids), np.int32(hidden))
-    assert np.array_equal(out.get(), bf16(table)[ids])
+    launch(kernels.embedding_gather, (tokens, 1), (256, 1, 1), out, up_bf16(table), i32(encoded), i32(sampled),
+           np.int32(hidden))
+    assert np.array_equal(out.get(), bf16(table)[np.where(on_device, sampled[source], ids)])
 
 
 @pytest.mark.parametrize("tokens, hidden, with_delta", [(7, 2048, True), (3, 576, False), (64, 64, True)])
