@@ -10,7 +10,7 @@ preempted: its blocks are freed and it waits to be recomputed from scratch.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
@@ -21,11 +21,12 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed in this step
     num_tokens: int
+    # Whether this step reaches the end of the sequence, and so yields a token: fixed
+    # when scheduled (the sequence grows a PENDING token as the step is launched).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence, and so yields a token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.seq.num_tokens
 
 
 class Scheduler:

@@ -38,7 +38,9 @@ def stops(smollm2, prompts):
 
 class LaunchLog:
     """Wraps a backend; counts the most launches that were in flight at once, and
-    launches that gave a request with penalties a PENDING token."""
+    launches that gave a request with penalties a PENDING token. Checks that a batch
+    still says which of its sequences sample when its samples are waited for (a GPU
+    backend reads that then)."""
 
     def __init__(self, inner):
         self.inner, self.in_flight, self.most_in_flight, self.penalised_pending = inner, 0, 0, 0
@@ -51,9 +53,11 @@ class LaunchLog:
         wait = self.inner.launch(batch)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        sampling = [s.samples for s in batch]
 
         def counted_wait():
             self.in_flight -= 1
+            assert [s.samples for s in batch] == sampling
             return wait()
         return counted_wait
 

@@ -174,7 +174,6 @@ class CudaBackend:
             self.blas = Cublas(self.stream.handle, int(self.workspace), WORKSPACE_BYTES)
             self._upload_weights(weights)
             self.inv_freq = gpuarray.to_gpu(config.rope_inv_freq())
-            self._step_done = cuda.Event()
         log.info("CUDA backend on %s: %.2f GB of bfloat16 weights", self.device.name(), self.weight_bytes / 1e9)
         self.block_size = 0
         self.dummy_block = 0  # a KV block no sequence owns: padding rows of graphs use it
@@ -239,10 +238,11 @@ class CudaBackend:
             self.k_cache = [gpuarray.empty(shape, np.uint16) for _ in range(c.num_layers)]
             self.v_cache = [gpuarray.empty(shape, np.uint16) for _ in range(c.num_layers)]
             # A step samples at most one token per sequence, and each holds a block. The
-            # device buffer stays put (graphs read it); the host has two, so that one
-            # step's copy never lands on tokens the host has not read yet.
+            # device buffer stays put (graphs read it). Two steps may be in flight: each
+            # takes the other's host buffer and end event, so that a step's copy never
+            # lands on tokens not read yet, and waiting for a step waits for it alone.
             self.sampled = gpuarray.empty(num_blocks, np.int32)
-            self._tokens_host = [cuda.pagelocked_empty(num_blocks, np.int32) for _ in range(2)]
+            self._step_slots = [(cuda.pagelocked_empty(num_blocks, np.int32), cuda.Event()) for _ in range(2)]
         self.block_size, self.dummy_block = block_size, num_blocks
         enabled, max_batch, max_context = self._graph_settings
         self.graphs = DecodeGraphs(self, max_batch, max_context) if enabled else None
@@ -366,22 +366,24 @@ class CudaBackend:
         host) and return at once; the returned function waits for its samples. PENDING
         tokens of the batch are read from the previous step's samples on the device."""
         sampling = [s.seq for s in batch if s.samples]
+        self._step_slots.reverse()
+        tokens_host, done = self._step_slots[0]
         with self._context():
-            collect = self._sample(self._forward(batch), sampling) if sampling else list
-            self._step_done.record(self.stream)
+            collect = self._sample(self._forward(batch), sampling, tokens_host) if sampling else list
+            done.record(self.stream)
         self._previous_samples = {seq: i for i, seq in enumerate(sampling)}
 
         def wait() -> list[SampleOutput | None]:
             with self._context():
-                self._step_done.synchronize()  # (without the GIL: the server's threads run meanwhile)
+                done.synchronize()  # (without the GIL: the server's threads run meanwhile)
                 outputs = iter(collect())
             return [next(outputs) if s.samples else None for s in batch]
         return wait
 
     # -- sampling -------------------------------------------------------------------
-    def _sample(self, logits: gpuarray.GPUArray, seqs) -> Callable[[], list[SampleOutput]]:
-        """Queue sampling and the copy of the tokens to the host; return what reads them
-        once the stream has got that far."""
+    def _sample(self, logits: gpuarray.GPUArray, seqs, tokens_host: np.ndarray) -> Callable[[], list[SampleOutput]]:
+        """Queue sampling into `sampled` and the copy of the tokens to `tokens_host`;
+        return what reads them once the stream has got that far."""
         st, S, V = self.stream, len(seqs), self.config.vocab_size
         raw = {}
         wants = [i for i, q in enumerate(seqs) if q.params.top_logprobs is not None]
@@ -404,8 +406,7 @@ class CudaBackend:
         args = [np.uintp(int(uploaded.gpudata) + 4 * S * i) for i in range(len(fields))]
         self.kernels.sample_tokens.prepared_async_call((S, 1), (1024, 1, 1), st, _ptr(self.sampled), _ptr(logits),
                                                        np.int32(V), *args)
-        self._tokens_host.reverse()
-        tokens = self._tokens_host[0][:S]
+        tokens = tokens_host[:S]
         cuda.memcpy_dtoh_async(tokens, self.sampled.gpudata, st)
 
         def collect() -> list[SampleOutput]:
