@@ -85,3 +85,25 @@ def test_overlapped_steps_emit_what_plain_steps_do(smollm2, prompts, stops, conf
     assert results[1] == results[0]
     assert results[0]["r0"][3] == stops[0] and results[0]["r1"][3] == stops[1]
     assert results[0]["r2"][2].name == "LENGTH"
+
+
+def test_an_abort_while_a_batch_runs_ahead_counts_only_the_tokens_that_came_back(smollm2, prompts):
+    engine = make_engine(smollm2)
+    engine.backend = log = LaunchLog(engine.backend)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add(engine.make_sequence(f"r{i}", p, params))
+    streamed: dict[str, list[int]] = {}
+
+    def collect(outputs) -> None:
+        for out in outputs:
+            streamed.setdefault(out.request_id, []).extend(out.token_ids)
+    for _ in range(6):
+        engine.step_overlapped(collect)
+    assert log.in_flight == 1  # the batch launched last, with r0's next token PENDING in it
+    aborted = engine.abort("r0")
+    assert aborted.finish_reason.name == "ABORT" and aborted.usage.completion_tokens == len(streamed["r0"]) > 0
+    while engine.has_work():
+        engine.step_overlapped(collect)
+    assert [len(streamed[f"r{i}"]) for i in range(1, len(prompts))] == [24] * (len(prompts) - 1)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
