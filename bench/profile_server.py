@@ -1,8 +1,9 @@
-"""Where the server's Python time goes under load: `llamastream serve` runs in this
-process with its engine thread and its RPC loop thread each under cProfile, while
-`bench/serve.py` (a process of its own) sends the offline workload through gRPC.
-Prints the load's summary, then both profiles by own time. The two threads share
-one GIL: their busy times together bound what the server can deliver.
+"""Where the server's Python time goes under load: `llamastream serve --engine-in-process`
+runs in this process with its engine thread and its RPC loop thread each under
+cProfile, while `bench/serve.py` (a process of its own) sends the offline workload
+through gRPC. Prints the load's summary, then both profiles by own time. (Served
+this way, the two threads share one GIL; by default the engine runs in a process of
+its own, and each profile is what one process spends.)
 
     python bench/profile_server.py --model DIR --device cuda --max-num-seqs 256 --max-num-batched-tokens 8192
     python bench/profile_server.py --num-prompts 16        # the embedded model, on the CPU
@@ -84,7 +85,7 @@ def main() -> int:
     profile_engine_thread()
     profile_loop_thread()
     threading.Thread(target=drive_load, args=(f"127.0.0.1:{port}", args.num_prompts, args.max_concurrency), daemon=True).start()
-    code = cli.main(["serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)])
+    code = cli.main(["serve", *serve_args, "--engine-in-process", "--host", "127.0.0.1", "--port", str(port)])
     report("engine thread", ENGINE)
     report("RPC loop thread", LOOP)
     return code

@@ -5,6 +5,7 @@ and then through the server under --max-concurrency streams.
 
     python bench/server_overhead.py [--step-ms 10] [--max-concurrency 256]
     python bench/server_overhead.py --host-ms 1 --gil-releases 6    # like the CUDA backend
+    python bench/server_overhead.py --engine-in-process             # the engine on the server's thread
 
 --host-ms and --gil-releases make a step look like a CUDA step to the other threads:
 Python work that holds the GIL, then short calls that drop it (ctypes calls and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import subprocess
 import sys
 import time
@@ -79,9 +81,13 @@ def workload(vocab: int, n: int, seed: int = 0) -> tuple[list[list[int]], list[i
     return prompts, rng.integers(100, 1025, n).tolist()
 
 
-def in_process(backend: EmulatedBackend, prompts, outputs) -> float:
-    model = load_model(str(MODEL))
-    engine = LLMEngine(model, backend, EngineConfig(**CONFIG))
+def emulated_engine(cfg=None, **backend_args) -> LLMEngine:
+    """The tiny model's engine on the emulated backend (the server builds it from its
+    settings, in the engine's process; only the benchmark's CONFIG counts)."""
+    return LLMEngine(load_model(str(MODEL)), EmulatedBackend(**backend_args), EngineConfig(**CONFIG))
+
+
+def in_process(engine: LLMEngine, prompts, outputs) -> float:
     for i, (ids, n) in enumerate(zip(prompts, outputs)):
         engine.add(engine.make_sequence(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
     start, tokens = time.perf_counter(), 0
@@ -94,16 +100,12 @@ def in_process(backend: EmulatedBackend, prompts, outputs) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def serve(backend: EmulatedBackend, port: int) -> None:
+def serve(port: int, engine_process: bool, **backend_args) -> None:
     """The server of `llamastream serve`, on the emulated backend (runs in a subprocess)."""
-    import server.app
-    from server.cli import main
+    from server.app import Server, ServerConfig
 
-    server.app.create_backend = lambda *args, **kwargs: backend
-    sys.argv = ["llamastream", "serve", "--model", str(MODEL), "--host", "127.0.0.1", "--port", str(port),
-                "--max-num-seqs", str(CONFIG["max_num_seqs"]), "--max-num-batched-tokens", str(CONFIG["max_num_batched_tokens"]),
-                "--num-kv-blocks", str(CONFIG["num_kv_blocks"])]
-    sys.exit(main())
+    cfg = ServerConfig(model=str(MODEL), host="127.0.0.1", port=port, engine_process=engine_process, **CONFIG)
+    sys.exit(Server(cfg, functools.partial(emulated_engine, **backend_args)).run_until_signal())
 
 
 def main() -> None:
@@ -113,16 +115,18 @@ def main() -> None:
     ap.add_argument("--gil-releases", type=int, default=0, help="short GIL-dropping calls per step")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-concurrency", type=int, default=256)
+    ap.add_argument("--engine-in-process", action="store_true", help="the server's engine on a thread of its process")
     ap.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     step = ["--step-ms", str(args.step_ms), "--host-ms", str(args.host_ms), "--gil-releases", str(args.gil_releases)]
-    backend = EmulatedBackend(args.step_ms, args.host_ms, args.gil_releases)
+    backend_args = dict(step_ms=args.step_ms, host_ms=args.host_ms, gil_releases=args.gil_releases)
     if args.serve:
-        return serve(backend, args.serve)
+        return serve(args.serve, not args.engine_in_process, **backend_args)
     prompts, outputs = workload(load_model(str(MODEL)).config.vocab_size, args.requests)
-    local = in_process(backend, prompts, outputs)
+    local = in_process(emulated_engine(**backend_args), prompts, outputs)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), *step],
+    where = ["--engine-in-process"] if args.engine_in_process else []
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), *step, *where],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_serving(f"127.0.0.1:{port}", proc=proc)
@@ -132,7 +136,8 @@ def main() -> None:
         proc.wait()
     rate = remote["output_tokens_per_s"]
     print(f"emulated step: {args.host_ms} ms of host work, {args.gil_releases} GIL releases, {args.step_ms} ms of GPU; "
-          f"{args.requests} requests, {args.max_concurrency} concurrent streams")
+          f"{args.requests} requests, {args.max_concurrency} concurrent streams; the server's engine "
+          + ("on a thread of its process" if args.engine_in_process else "in a process of its own"))
     print(f"{'path':<12} | {'output tok/s':>12} | {'share':>6} | {'TTFT p50/p99 ms':>16}")
     print(f"{'in process':<12} | {local:12.0f} | {'100%':>6} |")
     t = remote["ttft_ms"]

@@ -1,6 +1,8 @@
 """The engine: admit requests, run one continuous-batching step at a time, emit deltas.
 
-Not thread-safe: one thread (EngineLoop's) owns it, and with it the backend.
+Not thread-safe: one thread (EngineLoop's) owns it, and with it the backend. Its
+facts for serving (EngineInfo) and its load (EngineStats) travel to other threads
+and processes.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.block_manager import BlockManager
+from engine.config import ModelConfig
 from engine.model_loader import LoadedModel
 from engine.output import OutputStream, RequestOutput, Usage
 from engine.sampler import SampleOutput
 from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import PENDING, FinishReason, Sequence
+from engine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -28,28 +32,22 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's, within the KV cache
 
 
-class LLMEngine:
-    def __init__(self, model: LoadedModel, backend, config: EngineConfig):
-        self.model = model
-        self.tokenizer = model.tokenizer
-        self.backend = backend
-        self.config = config
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        backend.allocate_kv_cache(config.num_kv_blocks, config.block_size)
-        cache_tokens = config.num_kv_blocks * config.block_size
-        self.max_model_len = min(model.config.max_position_embeddings, cache_tokens, config.max_model_len or cache_tokens)
-        self._streams: dict[str, OutputStream] = {}
-        # batches launched and not yet ended, oldest first, each with what waits for its samples
-        self._in_flight: deque[tuple[list[ScheduledSeq], Callable[[], list[SampleOutput | None]]]] = deque()
-        self._launching: list[ScheduledSeq] = []  # a batch being queued on the backend
-        self._unsent: list[OutputStream] = []  # streams with recorded tokens not yet emitted
-        self._with_penalties = 0  # live requests whose sampling reads their earlier tokens
+@dataclass(frozen=True)
+class EngineInfo:
+    """What serving needs to know of an engine, fixed once it is built: enough to check
+    and build requests without it (it may run in another process)."""
 
-    # -- admission (pure: safe to call from any thread) -------------------------
+    model_name: str
+    config: ModelConfig
+    tokenizer: Tokenizer
+    backend_name: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+
     def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Check a request against the model and the context; raise InvalidRequest if it cannot run."""
-        vocab = self.model.config.vocab_size
+        vocab = self.config.vocab_size
         params.validate(vocab)
         if not prompt_ids:
             raise InvalidRequest("the input is empty: send a non-empty prompt, chat or token_ids")
@@ -71,6 +69,42 @@ class LLMEngine:
         if params.min_tokens > max_tokens:
             raise InvalidRequest(f"stop.min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens that fit")
         return Sequence(request_id, list(prompt_ids), params, max_tokens, eos_token_ids=self.tokenizer.eos_token_ids)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load, for metrics and for checks that nothing leaked."""
+
+    running: int
+    waiting: int
+    kv_blocks_free: int
+    num_preemptions: int
+    live_requests: int
+
+
+class LLMEngine:
+    def __init__(self, model: LoadedModel, backend, config: EngineConfig):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.backend = backend
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        backend.allocate_kv_cache(config.num_kv_blocks, config.block_size)
+        cache_tokens = config.num_kv_blocks * config.block_size
+        self.max_model_len = min(model.config.max_position_embeddings, cache_tokens, config.max_model_len or cache_tokens)
+        self.info = EngineInfo(model.name, model.config, model.tokenizer, backend.name, self.max_model_len,
+                               config.num_kv_blocks, config.block_size)
+        self._streams: dict[str, OutputStream] = {}
+        # batches launched and not yet ended, oldest first, each with what waits for its samples
+        self._in_flight: deque[tuple[list[ScheduledSeq], Callable[[], list[SampleOutput | None]]]] = deque()
+        self._launching: list[ScheduledSeq] = []  # a batch being queued on the backend
+        self._unsent: list[OutputStream] = []  # streams with recorded tokens not yet emitted
+        self._with_penalties = 0  # live requests whose sampling reads their earlier tokens
+
+    # -- admission (pure: safe to call from any thread) -------------------------
+    def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        return self.info.make_sequence(request_id, prompt_ids, params)
 
     # -- the engine thread's side -----------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -189,5 +223,7 @@ class LLMEngine:
         )
         return out
 
-    def num_live_requests(self) -> int:
-        return len(self._streams)
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), self.block_manager.num_free_blocks, s.num_preemptions,
+                           len(self._streams))

@@ -59,6 +59,9 @@ class Tokenizer:
         self._template = _compile_chat_template(chat_template) if chat_template else None
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
+    def __reduce__(self):  # (sent from the engine's process: a compiled template does not pickle)
+        return Tokenizer, (self.backend, self.eos_token_ids, self.chat_template, self.special_tokens)
+
     # -- encoding -------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids

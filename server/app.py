@@ -1,19 +1,22 @@
-"""Build and run the server: load the model, start the engine thread, serve, drain.
+"""Build and run the server: start the engine, serve, drain.
 
-Three threads: the engine's (EngineLoop: every step, the only one touching the
-backend), the asyncio loop's (grpc.aio: every RPC, however many streams), and the
-caller's (start, wait for a signal, drain).
+The engine (model, backend, KV cache) is built and stepped in a process of its own
+(EngineProcess), or with --engine-in-process on a thread of this one. Here, the
+asyncio loop's thread runs every RPC, however many streams; the caller's thread
+starts, waits for a signal and drains.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,12 +24,12 @@ from grpc_reflection.v1alpha import reflection
 from tqdm import tqdm
 
 from engine.backends import create_backend
-from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import load_model
 from engine.sampling_params import SamplingParams
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
+from server.engine_client import EngineClient, EngineProcess, InProcessEngine
 from server.interceptors import OPEN_SERVICES, BearerTokenAuth, RejectMalformed
 from server.observability import Observer
 from server.servicer import GenerationServicer
@@ -34,7 +37,7 @@ from server.streams import OutputHub
 
 log = logging.getLogger("llamastream.server")
 SWITCH_INTERVAL_S = 0.0001  # see start(); measured with bench/server_overhead.py --host-ms 1 --gil-releases 6
-ENGINE_CHECK_S = 1.0  # how often the streams' hub checks that the engine thread still runs
+ENGINE_CHECK_S = 1.0  # how often the streams' hub checks that the engine still runs
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
@@ -53,6 +56,7 @@ class ServerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    engine_process: bool = True  # False: the engine on a thread of the server's process
     max_waiting: int = 256
     grace: float = 30.0
     max_stream_backlog: int = 4096  # tokens a stream may fall behind before it is ended
@@ -106,8 +110,34 @@ class LoadingProgress:
             self.bar.close()
 
 
+def build_engine(cfg: ServerConfig) -> LLMEngine:
+    """The model on its backend with a KV cache as large as the settings allow (run
+    where the engine will run: in its process, or in the server's)."""
+    model = load_model(cfg.model, LoadingProgress())
+    backend = create_backend(cfg.device, model.config, model.weights, cuda_graphs=not cfg.enforce_eager,
+                             batch_invariant=cfg.batch_invariant)
+    if cfg.num_kv_blocks:
+        num_blocks = cfg.num_kv_blocks
+    elif backend.name == "cuda":
+        num_blocks = backend.blocks_for_memory_fraction(cfg.gpu_memory_utilization, cfg.block_size)
+    else:
+        num_blocks = int(cfg.kv_cache_memory_gb * 2**30 // backend.kv_cache_bytes_per_block(cfg.block_size))
+    engine = LLMEngine(model, backend, EngineConfig(
+        block_size=cfg.block_size,
+        num_kv_blocks=num_blocks,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+    ))
+    log.info("model %s on %s: %d KV blocks of %d tokens (%d tokens), context %d",
+             model.name, backend.name, num_blocks, cfg.block_size, num_blocks * cfg.block_size, engine.max_model_len)
+    return engine
+
+
 class Server:
-    def __init__(self, cfg: ServerConfig):
+    def __init__(self, cfg: ServerConfig, build: Callable[[ServerConfig], LLMEngine] = build_engine):
+        """`build` makes the engine from the settings: a module-level function (or a
+        partial of one), so that it can be sent to the engine's process."""
         self.cfg = cfg
         # (settings that can be wrong are read before the model, which takes a while)
         self._credentials = _server_credentials(cfg)
@@ -115,33 +145,18 @@ class Server:
         if cfg.auth_token_file:
             self._interceptors.insert(0, BearerTokenAuth(_read_token(cfg.auth_token_file),
                                                          () if cfg.auth_health_and_reflection else OPEN_SERVICES))
-        model = load_model(cfg.model, LoadingProgress())
-        backend = create_backend(cfg.device, model.config, model.weights, cuda_graphs=not cfg.enforce_eager,
-                                 batch_invariant=cfg.batch_invariant)
-        if cfg.num_kv_blocks:
-            num_blocks = cfg.num_kv_blocks
-        elif backend.name == "cuda":
-            num_blocks = backend.blocks_for_memory_fraction(cfg.gpu_memory_utilization, cfg.block_size)
-        else:
-            num_blocks = int(cfg.kv_cache_memory_gb * 2**30 // backend.kv_cache_bytes_per_block(cfg.block_size))
-        engine = LLMEngine(model, backend, EngineConfig(
-            block_size=cfg.block_size,
-            num_kv_blocks=num_blocks,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len,
-        ))
-        log.info("model %s on %s: %d KV blocks of %d tokens (%d tokens), context %d",
-                 model.name, backend.name, num_blocks, cfg.block_size, num_blocks * cfg.block_size, engine.max_model_len)
-        self.loop = EngineLoop(engine, on_fatal=self._on_fatal)
-        self._engine_watch = None  # started with the engine thread
+        make_engine = functools.partial(build, cfg)
+        self.engine: EngineClient = (EngineProcess(make_engine, self._on_fatal) if cfg.engine_process
+                                     else InProcessEngine(make_engine(), self._on_fatal))
+        info = self.engine.info
+        self._engine_watch = None  # started with the engine
         self.exit_code = 0
         self._stop = threading.Event()
         self.aio = asyncio.new_event_loop()
         self._aio_thread = threading.Thread(target=self.aio.run_forever, name="grpc", daemon=True)
         self._aio_thread.start()
-        self.observer = Observer(engine)
-        self.servicer = GenerationServicer(self.loop, OutputHub(self.aio, cfg.max_stream_backlog), self.observer, backend.name,
+        self.observer = Observer(self.engine.stats, info.num_kv_blocks)
+        self.servicer = GenerationServicer(self.engine, OutputHub(self.aio, cfg.max_stream_backlog), self.observer,
                                            cfg.max_num_seqs + cfg.max_waiting, log_prompts=cfg.log_prompts)
         self.health = health.aio.HealthServicer()
         self.port = self._on_aio(self._listen())
@@ -178,12 +193,12 @@ class Server:
             await self.health.set(name, status)
 
     def start(self) -> None:
-        # The engine thread drops the GIL at every wait for the GPU and at every short
-        # ctypes or PyCUDA call; each time, it must get it back from the RPC loop at
-        # once, not after Python's default 5 ms switch interval.
+        # A thread that drops the GIL (the engine's at every wait for the GPU and every
+        # short ctypes or PyCUDA call, or the one that reads its process's outputs) must
+        # get it back from the RPC loop at once, not after Python's default 5 ms.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        self.loop.start()
-        self._engine_watch = asyncio.run_coroutine_threadsafe(self.servicer.hub.watch(self.loop, ENGINE_CHECK_S), self.aio)
+        self.engine.start()
+        self._engine_watch = asyncio.run_coroutine_threadsafe(self.servicer.hub.watch(self.engine, ENGINE_CHECK_S), self.aio)
         self._on_aio(self.grpc_server.start())
         self._warm_up()
         self.servicer.accepting.set()
@@ -194,10 +209,10 @@ class Server:
 
     def _warm_up(self) -> None:
         """One short generation through the whole engine before health says SERVING."""
-        engine = self.loop.engine
-        prompt = engine.tokenizer.encode("Hello", add_special_tokens=True) or [0]
-        seq = engine.make_sequence("warm-up", prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-        outputs = self.loop.submit(seq)
+        info = self.engine.info
+        prompt = info.tokenizer.encode("Hello", add_special_tokens=True) or [0]
+        seq = info.make_sequence("warm-up", prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        outputs = self.engine.submit(seq)
         while not outputs.get(timeout=600).finished:
             pass
 
@@ -207,16 +222,16 @@ class Server:
 
         grpc's own stop() would answer new calls CANCELLED, so it comes last.
         """
-        log.info("draining: up to %.0f s for %d in-flight requests", self.cfg.grace, self.loop.num_in_flight())
+        log.info("draining: up to %.0f s for %d in-flight requests", self.cfg.grace, self.engine.num_in_flight())
         self.servicer.accepting.clear()
         self._on_aio(self.health.enter_graceful_shutdown())
         deadline = time.monotonic() + self.cfg.grace
-        while self.loop.num_in_flight() and time.monotonic() < deadline:
+        while self.engine.num_in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
         self._on_aio(self.grpc_server.stop(grace=1.0))  # time to send the streams' last messages
         if self._engine_watch is not None:
             self._engine_watch.cancel()
-        self.loop.stop()
+        self.engine.stop()
         self.observer.close()
         self.aio.call_soon_threadsafe(self.aio.stop)
         self._aio_thread.join(timeout=10)

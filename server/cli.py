@@ -7,6 +7,7 @@ import logging
 import sys
 
 from server.app import ServerConfig
+from server.observability import configure_logging
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -31,6 +32,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="compute each token exactly as it would be alone, whatever else runs in its batch "
                         "(reproducible seeded and greedy outputs; slower GEMMs on the GPU)")
+    p.add_argument("--engine-in-process", dest="engine_process", action="store_false",
+                   help="step the engine on a thread of the server's process instead of a process of its own "
+                        "(one Python GIL for both: slower under many streams, simpler to debug or profile)")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's, within the KV cache)")
     p.add_argument("--grace", type=float, default=d.grace, help="seconds in-flight streams get to finish on SIGTERM")
     p.add_argument("--max-stream-backlog", type=int, default=d.max_stream_backlog,
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("gguf", help="input .gguf file")
     convert.add_argument("out_dir", help="output directory")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(getattr(args, "log_level", "INFO"))
 
     if args.command == "convert-gguf":
         from engine.model_loader import convert_gguf

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineStats
 from engine.output import Usage
 
 log = logging.getLogger("llamastream.requests")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
 
@@ -27,28 +29,33 @@ class RequestRecord:
     usage: Usage | None = None
 
 
+def configure_logging(level: int | str) -> None:
+    """The server's log format on stderr (the engine's process calls it too)."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+
+
 class _EngineCollector:
     """Engine state, read at scrape time: running and waiting sequences, KV blocks, preemptions."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, stats: Callable[[], EngineStats], num_blocks: int):
+        self.stats, self.num_blocks = stats, num_blocks
 
     def collect(self):
-        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        stats = self.stats()
         gauges = [
-            ("llamastream:num_requests_running", "Sequences in the running batch.", len(scheduler.running)),
-            ("llamastream:num_requests_waiting", "Sequences waiting to be scheduled.", len(scheduler.waiting)),
-            ("llamastream:kv_cache_blocks_used", "KV-cache blocks held by sequences.", blocks.num_blocks - blocks.num_free_blocks),
-            ("llamastream:kv_cache_blocks_free", "KV-cache blocks free.", blocks.num_free_blocks),
+            ("llamastream:num_requests_running", "Sequences in the running batch.", stats.running),
+            ("llamastream:num_requests_waiting", "Sequences waiting to be scheduled.", stats.waiting),
+            ("llamastream:kv_cache_blocks_used", "KV-cache blocks held by sequences.", self.num_blocks - stats.kv_blocks_free),
+            ("llamastream:kv_cache_blocks_free", "KV-cache blocks free.", stats.kv_blocks_free),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("llamastream:num_preemptions", "Sequences preempted to free KV blocks.",
-                                  value=scheduler.num_preemptions)
+                                  value=stats.num_preemptions)
 
 
 class Observer:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, stats: Callable[[], EngineStats], num_blocks: int):
         self._http = None
         self.registry = CollectorRegistry()
         r = self.registry
@@ -61,7 +68,7 @@ class Observer:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("llamastream:e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_EngineCollector(engine))
+        r.register(_EngineCollector(stats, num_blocks))
 
     def serve_metrics(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP; returns the port (useful with 0)."""

@@ -1,7 +1,7 @@
 """The Generation service: translates between the wire and the engine, nothing more.
 
-Handlers run on the server's asyncio loop; the engine runs on its own thread
-(EngineLoop) and hands outputs over through an OutputHub.
+Handlers run on the server's asyncio loop; the engine runs elsewhere (EngineClient)
+and hands outputs over through an OutputHub.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import uuid
 
 import grpc
 
-from engine.engine_loop import DuplicateRequest, EngineLoop
 from engine.output import RequestOutput
 from engine.sampling_params import InvalidRequest
 from engine.sequence import FinishReason
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server import protocol
+from server.engine_client import DuplicateRequest, EngineClient
 from server.observability import Observer, RequestRecord
 from server.streams import AsyncOutputs, EngineStopped, OutputHub, StreamBacklogExceeded
 
@@ -27,14 +27,13 @@ log = logging.getLogger("llamastream.server")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, loop: EngineLoop, hub: OutputHub, observer: Observer, backend_name: str, max_in_flight: int,
+    def __init__(self, engine: EngineClient, hub: OutputHub, observer: Observer, max_in_flight: int,
                  log_prompts: bool = False):
-        self.loop = loop
+        self.engine = engine
+        self.info = engine.info
         self.hub = hub
         self.observer = observer
-        self.engine = loop.engine
-        self.tokenizer = loop.engine.tokenizer
-        self.backend_name = backend_name
+        self.tokenizer = engine.info.tokenizer
         self.max_in_flight = max_in_flight
         self.log_prompts = log_prompts  # prompts are never logged otherwise
         self.accepting = threading.Event()  # set once warmed up; cleared when draining
@@ -49,9 +48,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if not self.accepting.is_set():
             await self._refuse(context, record, grpc.StatusCode.UNAVAILABLE,
                                "the server is loading or draining: retry shortly, or another replica")
-        if not self.loop.alive:
+        if not self.engine.alive:
             await self._refuse(context, record, grpc.StatusCode.UNAVAILABLE,
-                               f"the engine has stopped: {self.loop.fatal_error or 'restart the server'}")
+                               f"the engine has stopped: {self.engine.fatal_error or 'restart the server'}")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         record = RequestRecord(request.request_id or uuid.uuid4().hex)
@@ -70,23 +69,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         request_id = record.request_id
         try:
             ids = protocol.prompt_ids(request, self.tokenizer)
-            seq = self.engine.make_sequence(request_id, ids, protocol.sampling_params(request))
+            seq = self.info.make_sequence(request_id, ids, protocol.sampling_params(request))
         except InvalidRequest as e:
             await self._refuse(context, record, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if self.loop.num_in_flight() >= self.max_in_flight:
+        if self.engine.num_in_flight() >= self.max_in_flight:
             await self._refuse(context, record, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.max_in_flight} requests are in flight, the most this server queues: retry with backoff")
         if self.log_prompts:
             log.info("request %s prompt: %r", request_id, self.tokenizer.decode(ids))
-        outputs = self.hub.outputs(on_overflow=lambda: self.loop.abort(request_id))
+        outputs = self.hub.outputs(on_overflow=lambda: self.engine.abort(request_id))
         try:
-            self.loop.submit(seq, outputs)
+            self.engine.submit(seq, outputs)
         except DuplicateRequest as e:
             await self._refuse(context, record, grpc.StatusCode.ALREADY_EXISTS, str(e))
         finished = False
         try:
             yield pb.GenerateResponse(
-                request_id=request_id, started=pb.Started(prompt_tokens=len(ids), model=self.engine.model.name)
+                request_id=request_id, started=pb.Started(prompt_tokens=len(ids), model=self.info.model_name)
             )
             while not finished:
                 out = await self._next_output(outputs, context, record)
@@ -99,7 +98,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     yield response
         finally:  # a cancel, a deadline or a failed write ends the RPC early: free the sequence
             if not finished:
-                self.loop.abort(request_id)
+                self.engine.abort(request_id)
 
     async def _next_output(self, outputs: AsyncOutputs, context: grpc.aio.ServicerContext,
                            record: RequestRecord) -> RequestOutput:
@@ -119,17 +118,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        e = self.engine
+        info = self.info
         return pb.ModelInfo(
-            model=e.model.name,
-            max_context_length=e.max_model_len,
-            vocab_size=e.model.config.vocab_size,
+            model=info.model_name,
+            max_context_length=info.max_model_len,
+            vocab_size=info.config.vocab_size,
             eos_token_ids=self.tokenizer.eos_token_ids,
             has_chat_template=self.tokenizer.chat_template is not None,
-            backend=self.backend_name,
-            kv_cache_blocks=e.block_manager.num_blocks,
-            block_size=e.block_manager.block_size,
+            backend=info.backend_name,
+            kv_cache_blocks=info.num_kv_blocks,
+            block_size=info.block_size,
         )
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        return pb.AbortResponse(aborted=sum(self.loop.abort(rid) for rid in set(request.request_ids)))
+        return pb.AbortResponse(aborted=sum(self.engine.abort(rid) for rid in set(request.request_ids)))

@@ -1,8 +1,9 @@
-"""Engine outputs, from the engine thread to the RPC handlers on the asyncio loop.
+"""Engine outputs, from the thread that routes them to the RPC handlers on the asyncio loop.
 
-The engine thread posts each request's outputs as a step ends; the loop is woken once
-for everything posted since its last wakeup, however many streams there are, so the
-cost to the engine thread does not grow with thread hand-offs per stream.
+That thread (the engine's, or the one reading the engine process's outputs) posts
+each request's outputs as a step ends; the loop is woken once for everything posted
+since its last wakeup, however many streams there are, so the cost to that thread
+does not grow with thread hand-offs per stream.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import collections
 import threading
 from collections.abc import Callable
 
-from engine.engine_loop import EngineLoop
 from engine.output import RequestOutput
+from server.engine_client import EngineClient
 
 
 class StreamBacklogExceeded(Exception):
@@ -21,7 +22,7 @@ class StreamBacklogExceeded(Exception):
 
 
 class EngineStopped(Exception):
-    """The engine thread stopped while a stream waited for it."""
+    """The engine stopped while a stream waited for it."""
 
 
 class OutputHub:
@@ -33,13 +34,13 @@ class OutputHub:
         self._waiting: set[AsyncOutputs] = set()  # streams awaiting their next output
         self.engine_error: str | None = None  # once the engine is found stopped
 
-    async def watch(self, engine: EngineLoop, interval: float) -> None:
+    async def watch(self, engine: EngineClient, interval: float) -> None:
         """Check every `interval` s that the engine runs; once it does not, wake every
         waiting stream with EngineStopped. (The engine ends its requests itself when it
         can; this is for when it could not.)"""
         while engine.alive:
             await asyncio.sleep(interval)
-        self.engine_error = engine.fatal_error or "the engine thread exited"
+        self.engine_error = engine.fatal_error or "the engine exited"
         for outputs in list(self._waiting):
             outputs._wake()
 
@@ -48,7 +49,7 @@ class OutputHub:
         loop if the reader leaves more than `max_backlog` tokens unread."""
         return AsyncOutputs(self, on_overflow)
 
-    def _post(self, outputs: AsyncOutputs, out: RequestOutput) -> None:  # the engine thread
+    def _post(self, outputs: AsyncOutputs, out: RequestOutput) -> None:  # the routing thread
         with self._lock:
             self._pending.append((outputs, out))
             if len(self._pending) > 1:  # a wakeup is on its way
@@ -63,7 +64,7 @@ class OutputHub:
 
 
 class AsyncOutputs:
-    """One request's outputs. `put` is called by the engine thread; `get` is awaited on
+    """One request's outputs. `put` is called by the routing thread; `get` is awaited on
     the loop and returns everything that arrived since the last get as one output, so a
     reader that falls behind gets fewer, larger deltas and loses nothing, up to the
     hub's backlog limit: past it the queue is dropped and `on_overflow` called (to free
@@ -77,7 +78,7 @@ class AsyncOutputs:
         self._overflowed = False
         self._waiter: asyncio.Future | None = None  # (a bare future: far cheaper than an Event with a timeout)
 
-    def put(self, out: RequestOutput) -> None:
+    def put(self, out: RequestOutput) -> None:  # the routing thread
         self._hub._post(self, out)
 
     def _arrived(self, out: RequestOutput) -> None:

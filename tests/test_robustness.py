@@ -27,12 +27,11 @@ GREEDY = pb.SamplingParams(temperature=0.0)
 
 def idle(server: Server, timeout: float = 10.0) -> bool:
     """Every KV block free, nothing in flight or queued, the engine empty."""
-    engine = server.loop.engine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        bm = engine.block_manager
-        if (bm.num_free_blocks == bm.num_blocks and server.loop.num_in_flight() == 0
-                and engine.num_live_requests() == 0 and not engine.has_work()):
+        stats = server.engine.stats()
+        if (stats.kv_blocks_free == server.engine.info.num_kv_blocks and server.engine.num_in_flight() == 0
+                and stats.live_requests == 0 and stats.running == stats.waiting == 0):
             return True
         time.sleep(0.05)
     return False
@@ -46,7 +45,7 @@ def healthy(address: str) -> bool:
 
 @pytest.fixture(scope="module")
 def server():
-    s = local_server(num_kv_blocks=128, max_model_len=1024)
+    s = local_server(num_kv_blocks=128, max_model_len=1024, engine_process=True)  # as `llamastream serve` runs
     yield s
     s.drain()
 
@@ -206,7 +205,7 @@ def test_soak(tiny_model):
         engine = make_engine(tiny_model)
         alone.append(tokens(run(engine, [engine.make_sequence("x", ids, greedy(n))])["x"]))
     # a cache too small for everyone at once: queueing and preemption are part of the soak
-    server = local_server(num_kv_blocks=64, max_num_seqs=16, max_waiting=64, max_model_len=256)
+    server = local_server(num_kv_blocks=64, max_num_seqs=16, max_waiting=64, max_model_len=256, engine_process=True)
     address = f"127.0.0.1:{server.port}"
     threads_before, rss_before = threading.active_count(), rss_bytes()
     counts: collections.Counter[str] = collections.Counter()
@@ -261,7 +260,7 @@ def test_soak(tiny_model):
     try:
         print(f"\nsoak: {sum(counts.values())} streams from {CLIENTS} clients in {elapsed:.0f} s: "
               + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-              + f"; {server.loop.engine.scheduler.num_preemptions} preemptions")
+              + f"; {server.engine.stats().num_preemptions} preemptions")
         assert not wrong, wrong[:10]
         assert sum(counts.values()) >= MIN_STREAMS and elapsed >= MIN_SECONDS
         assert {"completed", "cancelled", "aborted", "rejected INVALID_ARGUMENT"} <= set(counts), counts

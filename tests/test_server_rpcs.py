@@ -19,7 +19,7 @@ CONTEXT = 2048
 
 @pytest.fixture(scope="module")
 def server():
-    s = local_server(num_kv_blocks=160, max_model_len=CONTEXT)
+    s = local_server(num_kv_blocks=160, max_model_len=CONTEXT, engine_process=True)  # as `llamastream serve` runs
     yield s
     s.drain()
 
@@ -39,8 +39,7 @@ def wait_until(condition, timeout=10.0) -> bool:
 
 
 def all_blocks_free(server) -> bool:
-    bm = server.loop.engine.block_manager
-    return bm.num_free_blocks == bm.num_blocks and server.loop.num_in_flight() == 0
+    return server.engine.stats().kv_blocks_free == server.engine.info.num_kv_blocks and server.engine.num_in_flight() == 0
 
 
 def long_request(max_tokens: int = 200, **fields) -> pb.GenerateRequest:
@@ -49,7 +48,7 @@ def long_request(max_tokens: int = 200, **fields) -> pb.GenerateRequest:
 
 
 def test_prompt_and_token_ids_inputs_agree(client, server):
-    tok = server.loop.engine.tokenizer
+    tok = server.engine.info.tokenizer
     ids = tok.encode("hello there")
     _, by_text = collect(client.Generate(pb.GenerateRequest(prompt="hello there", sampling=GREEDY), timeout=30))
     _, by_ids = collect(client.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=GREEDY), timeout=30))
@@ -73,7 +72,7 @@ def test_logprobs_and_request_id(client):
 def test_cancelled_stream_frees_its_blocks(client, server):
     call = client.Generate(long_request(), timeout=60)
     next(call), next(call)  # started, first delta: it holds blocks now
-    assert server.loop.engine.block_manager.num_free_blocks < server.loop.engine.block_manager.num_blocks
+    assert server.engine.stats().kv_blocks_free < server.engine.info.num_kv_blocks
     call.cancel()
     assert wait_until(lambda: all_blocks_free(server)), "the cancelled sequence kept its blocks"
 
@@ -104,7 +103,7 @@ def test_duplicate_request_id_is_refused(client):
 
 
 def test_tokenize_and_model_info(client, server):
-    tok = server.loop.engine.tokenizer
+    tok = server.engine.info.tokenizer
     r = client.Tokenize(pb.TokenizeRequest(text="hello world", add_special_tokens=True), timeout=5)
     assert list(r.token_ids) == tok.encode("hello world", add_special_tokens=True)
     chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])

@@ -1,8 +1,10 @@
-"""The servicer in a server in this process, its hand-over of outputs, and the engine's fault paths."""
+"""The servicer in a server in this process, its hand-over of outputs, and the engine's fault
+paths, with the engine on a thread of the server's process and in a process of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import grpc
 import pytest
@@ -12,7 +14,7 @@ from engine.sampling_params import SamplingParams
 from llamastream.v1 import generation_pb2 as pb
 from server.streams import EngineStopped, OutputHub
 from tests.conftest import make_engine
-from tests.serving import check_stream_shape, collect, local_server, stub
+from tests.serving import check_stream_shape, collect, faulty_engine, local_server, stub
 
 GREEDY = pb.SamplingParams(temperature=0.0)
 
@@ -41,60 +43,62 @@ def test_generate_refuses_bad_input_before_any_message(live_server):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_k" in e.value.details()
 
 
-class FaultyBackend:
-    """Wraps a backend; chosen steps raise as they are queued (`when="launch"`) or as
-    their samples are waited for (`"wait"`, where a GPU's asynchronous errors show)."""
-
-    def __init__(self, inner, fail_on: set[int], fatal: bool, when: str = "launch"):
-        self.inner, self.fail_on, self.fatal, self.when, self.calls = inner, fail_on, fatal, when, 0
-        self.name = inner.name
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def launch(self, batch):
-        self.calls += 1
-        fail = self.calls in self.fail_on
-        if fail and self.when == "launch":
-            raise RuntimeError("injected fault")
-        samples = self.inner.execute(batch)
-
-        def wait():
-            if fail:
-                raise RuntimeError("injected fault")
-            return samples
-        return wait
-
-    def is_fatal(self, error: BaseException) -> bool:
-        return self.fatal
-
-
 def request(n: int = 8) -> pb.GenerateRequest:
     return pb.GenerateRequest(prompt="go", sampling=pb.SamplingParams(temperature=0.0), stop=pb.StopCriteria(max_tokens=n, ignore_eos=True))
 
 
+def faulty_server(engine_process: bool, **fault):
+    """A server whose backend fails as `fault` says (FaultyBackend), wherever its engine runs."""
+    return local_server(build=functools.partial(faulty_engine, **fault), engine_process=engine_process)
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
 @pytest.mark.parametrize("when", ["launch", "wait"])
-def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(live_server, when):
-    engine = live_server.loop.engine
-    engine.backend = FaultyBackend(engine.backend, fail_on={4}, fatal=False, when=when)  # after the warm-up's steps
-    live_server.start()
-    client = stub(f"127.0.0.1:{live_server.port}")
-    with pytest.raises(grpc.RpcError) as e:
-        collect(client.Generate(request(), timeout=10))
-    assert e.value.code() == grpc.StatusCode.INTERNAL and "injected fault" in e.value.details()
-    msgs, _ = collect(client.Generate(request(), timeout=10))  # the server keeps serving
-    assert msgs[-1].finished.usage.completion_tokens == 8
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(when, engine_process):
+    server = faulty_server(engine_process, fail_on={4}, fatal=False, when=when)  # after the warm-up's steps
+    try:
+        client = stub(f"127.0.0.1:{server.port}")
+        with pytest.raises(grpc.RpcError) as e:
+            collect(client.Generate(request(), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "injected fault" in e.value.details()
+        msgs, _ = collect(client.Generate(request(), timeout=10))  # the server keeps serving
+        assert msgs[-1].finished.usage.completion_tokens == 8
+        assert server.engine.stats().kv_blocks_free == server.engine.info.num_kv_blocks
+    finally:
+        server.drain()
 
 
-def test_a_fatal_device_error_stops_serving(live_server):
-    engine = live_server.loop.engine
-    engine.backend = FaultyBackend(engine.backend, fail_on={4}, fatal=True)
-    live_server.start()
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_a_fatal_device_error_stops_serving(engine_process):
+    server = faulty_server(engine_process, fail_on={4}, fatal=True)
+    try:
+        check_stops_serving(server, stub(f"127.0.0.1:{server.port}").Generate(request(), timeout=10))
+    finally:
+        server.drain()
+
+
+def test_an_engine_process_that_dies_stops_serving():
+    server = local_server(engine_process=True)
+    try:
+        call = stub(f"127.0.0.1:{server.port}").Generate(request(1000), timeout=30)
+        next(call), next(call)  # Started, then a first delta
+        server.engine._process.kill()
+        check_stops_serving(server, call)
+    finally:
+        server.drain()
+
+
+def test_an_engine_that_cannot_be_built_fails_the_start_with_its_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        local_server(model=str(tmp_path / "missing"), engine_process=True)
+
+
+def check_stops_serving(live_server, call) -> None:
+    """The call fails (INTERNAL), the server is marked to exit 1, health says
+    NOT_SERVING and later calls get UNAVAILABLE."""
     address = f"127.0.0.1:{live_server.port}"
     with pytest.raises(grpc.RpcError) as e:
-        collect(stub(address).Generate(request(), timeout=10))
+        collect(call)
     assert e.value.code() == grpc.StatusCode.INTERNAL
     assert live_server.exit_code == 1  # the CLI exits with it, for a supervisor to restart the server
     with grpc.insecure_channel(address) as channel:

@@ -1,0 +1,239 @@
+"""The server's handle on the engine, wherever the engine runs.
+
+InProcessEngine steps the engine on a thread of the server's process (EngineLoop).
+EngineProcess runs that thread in a process of its own, as vLLM runs its engine core:
+the engine's Python then holds a GIL of its own instead of sharing one with the RPC
+loop, and under many streams that sharing, not the GPU, set the pace. The server
+sees one interface either way: it submits checked sequences, each request's outputs
+come to the sink it gave, and the engine's fixed facts (EngineInfo) are at hand
+without asking it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+from multiprocessing.connection import Connection
+from typing import Callable, Protocol
+
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import EngineInfo, EngineStats, LLMEngine
+from engine.output import RequestOutput
+from engine.sequence import FinishReason, Sequence
+from server.observability import configure_logging
+
+
+class OutputSink(Protocol):
+    def put(self, out: RequestOutput) -> None: ...
+
+
+class DuplicateRequest(ValueError):
+    """A request id that is already in flight."""
+
+
+class EngineClient:
+    """Routes each request's outputs to the sink it was submitted with; how the engine
+    runs is the subclass's."""
+
+    def __init__(self, info: EngineInfo, on_fatal: Callable[[str], None] | None):
+        self.info = info
+        self.on_fatal = on_fatal  # the engine can no longer run (called once, on the thread that saw it)
+        self.fatal_error: str | None = None
+        self._sinks: dict[str, OutputSink] = {}
+        self._lock = threading.Lock()  # guards _sinks: the RPC loop submits, the engine's outputs arrive elsewhere
+
+    def submit(self, seq: Sequence, out: OutputSink | None = None) -> OutputSink:
+        """Queue a checked sequence (from info.make_sequence); its RequestOutputs are put
+        to `out` (by default a new queue.SimpleQueue), which is returned."""
+        out = queue.SimpleQueue() if out is None else out
+        with self._lock:
+            if seq.request_id in self._sinks:
+                raise DuplicateRequest(f"request_id {seq.request_id!r} is already in flight: use a unique id")
+            self._sinks[seq.request_id] = out
+        self._add(seq)
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        """Ask the engine to stop a request; True if it was in flight."""
+        with self._lock:
+            known = request_id in self._sinks
+        if known:
+            self._abort(request_id)
+        return known
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._sinks)
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            sinks = [self._sinks.pop(o.request_id, None) if o.finished else self._sinks.get(o.request_id) for o in outputs]
+        for out, sink in zip(outputs, sinks):
+            if sink is not None:
+                sink.put(out)
+
+    def _fatal(self, error: str) -> None:
+        self.fatal_error = error
+        if self.on_fatal:
+            self.on_fatal(error)
+
+    # What a subclass provides.
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
+
+    def _add(self, seq: Sequence) -> None:
+        raise NotImplementedError
+
+    def _abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+
+class InProcessEngine(EngineClient):
+    """The engine on a thread of this process (`llamastream serve --engine-in-process`)."""
+
+    def __init__(self, engine: LLMEngine, on_fatal: Callable[[str], None] | None = None):
+        super().__init__(engine.info, on_fatal)
+        self.engine = engine
+        self._loop = EngineLoop(engine, publish=self._route, on_fatal=self._fatal)
+
+    def start(self) -> None:
+        self._loop.start()
+
+    def stop(self) -> None:
+        self._loop.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self._loop.alive
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()  # (read across threads: a snapshot, good enough for metrics)
+
+    def _add(self, seq: Sequence) -> None:
+        self._loop.add(seq)
+
+    def _abort(self, request_id: str) -> None:
+        self._loop.abort(request_id)
+
+
+class EngineProcess(EngineClient):
+    """The engine in a child process, built there by `build` (a picklable callable).
+    Requests go to it over a pipe; each step's outputs come back as one message,
+    with the engine's stats, and a thread here routes them. Raises what `build`
+    raised if the engine cannot be built."""
+
+    def __init__(self, build: Callable[[], LLMEngine], on_fatal: Callable[[str], None] | None = None):
+        context = multiprocessing.get_context("spawn")  # (a forked child would share the parent's CUDA and gRPC state)
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_engine_process_main, args=(build, child, logging.getLogger().level),
+                                        name="llamastream-engine", daemon=True)
+        self._process.start()
+        child.close()
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            self._process.join(timeout=5)
+            raise RuntimeError(f"the engine process exited (code {self._process.exitcode}) while building the "
+                               "engine: see its log above") from None
+        if kind == "failed":
+            self._process.join(timeout=5)
+            raise value
+        super().__init__(value, on_fatal)
+        self._stats = EngineStats(running=0, waiting=0, kv_blocks_free=value.num_kv_blocks, num_preemptions=0,
+                                  live_requests=0)
+        self._send_lock = threading.Lock()
+        self._stopping = False
+        self._reader = threading.Thread(target=self._read, name="engine-outputs", daemon=True)
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._post(None)
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._reader.join(timeout=10)
+        self._conn.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive() and self.fatal_error is None
+
+    def stats(self) -> EngineStats:
+        return self._stats  # as of the engine's last outputs
+
+    def _add(self, seq: Sequence) -> None:
+        self._post(("add", seq))
+
+    def _abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def _post(self, message) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except OSError:  # the process is gone: _read has seen it, and the streams are told
+            pass
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                if message[0] == "outputs":
+                    _, outputs, self._stats = message
+                    self._route(outputs)
+                else:  # ("fatal", error): its last outputs follow
+                    self._fatal(message[1])
+        except (EOFError, OSError):
+            if not self._stopping and self.fatal_error is None:  # it died: end what it ran, as it would have
+                self._process.join(timeout=5)
+                error = f"the engine process exited unexpectedly (code {self._process.exitcode})"
+                self._fatal(error)
+                with self._lock:
+                    in_flight = list(self._sinks)
+                self._route([RequestOutput(rid, finish_reason=FinishReason.ERROR, error=error) for rid in in_flight])
+
+
+def _engine_process_main(build: Callable[[], LLMEngine], conn: Connection, log_level: int) -> None:
+    """The engine process: build the engine, then step it on its thread while this one
+    passes the server's requests on, until the server says stop or goes away."""
+    configure_logging(log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C drains the server, which then stops us
+    try:
+        engine = build()
+    except Exception as e:
+        try:
+            conn.send(("failed", e))
+        except Exception:  # (an exception that does not pickle)
+            conn.send(("failed", RuntimeError(f"{type(e).__name__}: {e}")))
+        return
+    conn.send(("ready", engine.info))
+    loop = EngineLoop(engine, publish=lambda outputs: conn.send(("outputs", outputs, engine.stats())),
+                      on_fatal=lambda error: conn.send(("fatal", error)))
+    loop.start()
+    try:
+        while (message := conn.recv()) is not None:
+            kind, arg = message
+            if kind == "add":
+                loop.add(arg)
+            else:
+                loop.abort(arg)
+    except EOFError:  # the server is gone
+        pass
+    loop.stop()
