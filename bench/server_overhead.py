@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampler import SampleOutput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tests.serving import free_port, wait_serving  # noqa: E402
+from tests.serving import ServerProcess  # noqa: E402
 
 MODEL = ROOT / "tests" / "fixtures" / "tiny-llama"
 CONFIG = dict(num_kv_blocks=40000, max_num_seqs=256, max_num_batched_tokens=8192)
@@ -124,16 +123,9 @@ def main() -> None:
         return serve(args.serve, not args.engine_in_process, **backend_args)
     prompts, outputs = workload(load_model(str(MODEL)).config.vocab_size, args.requests)
     local = in_process(emulated_engine(**backend_args), prompts, outputs)
-    port = free_port()
     where = ["--engine-in-process"] if args.engine_in_process else []
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), *step, *where],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_serving(f"127.0.0.1:{port}", proc=proc)
-        remote = asyncio.run(run_load(f"127.0.0.1:{port}", prompts, outputs, args.max_concurrency, float("inf"), 0))
-    finally:
-        proc.kill()
-        proc.wait()
+    with ServerProcess(*step, *where, command=(__file__, "--serve")) as server:
+        remote = asyncio.run(run_load(server.address, prompts, outputs, args.max_concurrency, float("inf"), 0))
     rate = remote["output_tokens_per_s"]
     print(f"emulated step: {args.host_ms} ms of host work, {args.gil_releases} GIL releases, {args.step_ms} ms of GPU; "
           f"{args.requests} requests, {args.max_concurrency} concurrent streams; the server's engine "

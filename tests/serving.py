@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,13 +27,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(address: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
+def wait_serving(address: str, timeout: float = 120, server: ServerProcess | None = None) -> None:
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
+            if server is not None and server.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {server.proc.returncode}:\n{server.output()}")
             with contextlib.suppress(grpc.RpcError):
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
                     return
@@ -41,20 +42,28 @@ def wait_serving(address: str, timeout: float = 120, proc: subprocess.Popen | No
 
 
 class ServerProcess:
-    """`python -m server serve` in a subprocess, as a user would start it."""
+    """`python -m server serve` in a subprocess, as a user would start it (or `command`,
+    given the port after it). Its output goes to a file: a pipe that nobody reads
+    fills up with the request log, and the server stalls on its next line."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, command: tuple[str, ...] = ("-m", "server", "serve", "--host", "127.0.0.1", "--port")):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, *command, str(self.port), *args],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
+    def output(self) -> str:
+        """What the server has printed so far."""
+        self.log.seek(0)
+        return self.log.read()
+
     def __enter__(self) -> "ServerProcess":
         try:
-            wait_serving(self.address, proc=self.proc)
+            wait_serving(self.address, server=self)
         except Exception:
             self.stop()
             raise
@@ -67,6 +76,7 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        self.log.close()
 
     def __exit__(self, *exc) -> None:
         self.stop()
