@@ -11,6 +11,7 @@ without asking it.
 
 from __future__ import annotations
 
+import abc
 import logging
 import multiprocessing
 import queue
@@ -34,7 +35,7 @@ class DuplicateRequest(ValueError):
     """A request id that is already in flight."""
 
 
-class EngineClient:
+class EngineClient(abc.ABC):
     """Routes each request's outputs to the sink it was submitted with; how the engine
     runs is the subclass's."""
 
@@ -80,25 +81,24 @@ class EngineClient:
         if self.on_fatal:
             self.on_fatal(error)
 
-    # What a subclass provides.
-    def start(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def start(self) -> None: ...
 
-    def stop(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def stop(self) -> None: ...
 
     @property
-    def alive(self) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def alive(self) -> bool: ...
 
-    def stats(self) -> EngineStats:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
 
-    def _add(self, seq: Sequence) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _add(self, seq: Sequence) -> None: ...
 
-    def _abort(self, request_id: str) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _abort(self, request_id: str) -> None: ...
 
 
 class InProcessEngine(EngineClient):
