@@ -21,8 +21,9 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_metrics_and_request_log_agree_with_what_was_sent(caplog):
-    server = local_server(start=False, metrics_port=0)
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_metrics_and_request_log_agree_with_what_was_sent(caplog, engine_process):
+    server = local_server(start=False, metrics_port=0, engine_process=engine_process)
     with caplog.at_level(logging.INFO, logger="llamastream.requests"):
         server.start()
         try:
