@@ -1,7 +1,7 @@
 """Batch-1 latency of the CUDA engine at the Llama 3.2 1B shape (bfloat16, random weights):
-time per output token (128-token prompt, 256 new tokens) and time to first token
-(one 1024-token prompt, idle engine), beside transformers measured in the same run
-and beside the floor.
+time per output token (128-token prompt, 256 new tokens; greedy, and once with top-k
+and top-p sampling) and time to first token (one 1024-token prompt, idle engine),
+beside transformers measured in the same run and beside the floor.
 
     python bench/latency.py          # on a machine with an NVIDIA GPU, torch and transformers
 
@@ -32,10 +32,15 @@ DECODE_FLOOR_MS = 2.47e9 / 4.27e12 * 1e3
 PREFILL_FLOOR_MS = 2 * 1.24e9 * 1024 / 790e12 * 1e3
 
 
-def ours(engine: LLMEngine, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+GREEDY = dict(temperature=0.0)
+SAMPLED = dict(temperature=0.8, top_k=50, top_p=0.95)  # the sampling kernel's slowest path: both filters
+
+
+def ours(engine: LLMEngine, prompt: list[int], new_tokens: int, sampling: dict = GREEDY) -> tuple[float, float]:
     """(time to first token, median time between later tokens), in ms, as the engine
     hands its deltas to the server."""
-    seq = engine.make_sequence("bench", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    params = SamplingParams(**sampling, max_tokens=new_tokens, ignore_eos=True, seed=0)
+    seq = engine.make_sequence("bench", prompt, params)
     engine.add(seq)
     arrivals = []
 
@@ -74,12 +79,14 @@ def main() -> None:
             ours(engine, prompt, 16)  # warm-up: kernels loaded, pool filled, graph captured
             tpot[graphs, invariant] = ours(engine, prompt, 256)[1]
             ttft[graphs, invariant] = statistics.median(ours(engine, list(range(2000, 3024)), 1)[0] for _ in range(5))
+        sampled_tpot = ours(engine, prompt, 256, SAMPLED)[1]  # (the last engine: CUDA graphs, default GEMMs)
         hf = transformers.LlamaForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).cuda().eval()
         hf_tpot = transformers_per_token(hf, prompt, 256)
     print(f"{'metric':<44} | {'llamastream':>11} | {'transformers':>12} | {'floor':>8}")
     print(f"{'batch-1 time per output token (ms)':<44} | {tpot[True, False]:11.2f} | {hf_tpot:12.2f} | {DECODE_FLOOR_MS:8.2f}")
     print(f"{'  the same, --enforce-eager (no CUDA graphs)':<44} | {tpot[False, False]:11.2f} | {'':>12} | {DECODE_FLOOR_MS:8.2f}")
     print(f"{'  the same, --batch-invariant':<44} | {tpot[True, True]:11.2f} | {'':>12} | {DECODE_FLOOR_MS:8.2f}")
+    print(f"{'  the same, top-k 50 and top-p 0.95 sampling':<44} | {sampled_tpot:11.2f} | {'':>12} | {DECODE_FLOOR_MS:8.2f}")
     print(f"{'time to first token, 1024-token prompt (ms)':<44} | {ttft[True, False]:11.2f} | {'':>12} | {PREFILL_FLOOR_MS:8.2f}")
     print(f"{'  the same, --batch-invariant':<44} | {ttft[True, True]:11.2f} | {'':>12} | {PREFILL_FLOOR_MS:8.2f}")
 
