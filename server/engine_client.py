@@ -168,7 +168,8 @@ class EngineProcess(EngineClient):
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
-        self._reader.join(timeout=10)
+        if self._reader.is_alive():  # (it ends once the process has closed its end)
+            self._reader.join(timeout=10)
         self._conn.close()
 
     @property
