@@ -167,14 +167,14 @@ def main() -> None:
         outputs = rng.integers(lo_out, hi_out + 1, args.num_prompts).tolist()
         runs = []
         print(f"model {info.model} on {info.backend}; {args.num_prompts} requests, input {args.input_len}, output {args.output_len}")
-        print(f"{'conc':>5} | {'ok':>4} | {'fail':>4} | {'out tok/s':>9} | {'TTFT p50/p90/p99 ms':>22} | {'TPOT p50/p90/p99 ms':>20} | {'ITL p50/p99 ms':>14}")
+        print(f"{'conc':>5} | {'ok':>4} | {'fail':>4} | {'out tok/s':>9} | {'TTFT p50/p90/p99 ms':>22} | {'TPOT p50/p90/p99 ms':>20} | {'ITL p50/p90/p99 ms':>20}")
         for conc in (int(c) for c in args.max_concurrency.split(",")):
             r = asyncio.run(run_load(address, prompts, outputs, conc, args.request_rate, args.seed))
             runs.append(r)
             t, p, i = r["ttft_ms"], r["tpot_ms"], r["itl_ms"]
             print(f"{conc:>5} | {r['completed']:>4} | {r['failed']:>4} | {r['output_tokens_per_s']:9.1f} | "
                   f"{t['p50']:6.1f} {t['p90']:7.1f} {t['p99']:7.1f} | {p['p50']:6.2f} {p['p90']:6.2f} {p['p99']:6.2f} | "
-                  f"{i['p50']:6.2f} {i['p99']:7.2f}")
+                  f"{i['p50']:6.2f} {i['p90']:6.2f} {i['p99']:6.2f}")
         result = {"model": info.model, "backend": info.backend, "num_prompts": args.num_prompts,
                   "input_len": args.input_len, "output_len": args.output_len, "runs": runs}
         if args.result_json:
