@@ -103,3 +103,16 @@ def test_sigterm_drains_in_flight_streams():
             t.join(120)
         assert [m[-1].finished.usage.completion_tokens for m in results] == [tokens] * 10
         assert s.proc.wait(60) == 0
+
+
+def test_the_engine_in_the_servers_own_process_streams_the_same():
+    """`--engine-in-process` (the engine on a thread of the server's process, not in
+    a process of its own) gives the same stream."""
+    request = pb.GenerateRequest(prompt="Once upon a time", sampling=GREEDY, stop=pb.StopCriteria(max_tokens=40, ignore_eos=True))
+    texts = []
+    for where in ([], ["--engine-in-process"]):
+        with ServerProcess("--model", str(TINY_MODEL), *where) as s:
+            msgs, text = collect(stub(s.address).Generate(request, timeout=60))
+            check_stream_shape(msgs)
+            texts.append((text, msgs[-1].finished.usage.completion_tokens))
+    assert texts[0] == texts[1] and texts[0][0] and texts[0][1] == 40
