@@ -108,14 +108,18 @@ class StepTimeline:
             return timed_wait
         backend.launch = timed_launch
 
+    def gpu_ms(self, prefill: bool) -> list[float]:
+        """The GPU span of each step with (or without) prompt rows, in ms."""
+        with self.backend._context():
+            return [r["events"][1].time_since(r["events"][0]) for r in self.steps if r["prefill"] == prefill]
+
     def report(self, elapsed: float) -> None:
         print(f"\n{'steps':>16} | {'count':>6} | {'mean rows':>9} | {'GPU s':>6} | {'engine blocked s':>16}")
-        with self.backend._context():
-            for kind, prefill in (("with prompt rows", True), ("decode only", False)):
-                chosen = [r for r in self.steps if r["prefill"] == prefill]
-                gpu = sum(r["events"][1].time_since(r["events"][0]) for r in chosen) / 1e3
-                rows = np.mean([r["rows"] for r in chosen]) if chosen else 0
-                print(f"{kind:>16} | {len(chosen):>6} | {rows:9.1f} | {gpu:6.2f} | {sum(r['blocked'] for r in chosen):16.2f}")
+        for kind, prefill in (("with prompt rows", True), ("decode only", False)):
+            chosen = [r for r in self.steps if r["prefill"] == prefill]
+            gpu = sum(self.gpu_ms(prefill)) / 1e3
+            rows = np.mean([r["rows"] for r in chosen]) if chosen else 0
+            print(f"{kind:>16} | {len(chosen):>6} | {rows:9.1f} | {gpu:6.2f} | {sum(r['blocked'] for r in chosen):16.2f}")
         print(f"(wall {elapsed:.2f} s: the GPU idles for whatever of it the steps' GPU time does not cover)")
 
 
