@@ -92,8 +92,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         backend.allocate_kv_cache(config.num_kv_blocks, config.block_size)
         cache_tokens = config.num_kv_blocks * config.block_size
-        self.max_model_len = min(model.config.max_position_embeddings, cache_tokens, config.max_model_len or cache_tokens)
-        self.info = EngineInfo(model.name, model.config, model.tokenizer, backend.name, self.max_model_len,
+        max_model_len = min(model.config.max_position_embeddings, cache_tokens, config.max_model_len or cache_tokens)
+        self.info = EngineInfo(model.name, model.config, model.tokenizer, backend.name, max_model_len,
                                config.num_kv_blocks, config.block_size)
         self._streams: dict[str, OutputStream] = {}
         # batches launched and not yet ended, oldest first, each with what waits for its samples

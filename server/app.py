@@ -130,7 +130,7 @@ def build_engine(cfg: ServerConfig) -> LLMEngine:
         max_model_len=cfg.max_model_len,
     ))
     log.info("model %s on %s: %d KV blocks of %d tokens (%d tokens), context %d",
-             model.name, backend.name, num_blocks, cfg.block_size, num_blocks * cfg.block_size, engine.max_model_len)
+             model.name, backend.name, num_blocks, cfg.block_size, num_blocks * cfg.block_size, engine.info.max_model_len)
     return engine
 
 

@@ -340,7 +340,7 @@ class CudaBackend:
         y_row, x_row = d_out * y.dtype.itemsize, d_in * 2
         for r, rows in tiles:
             y_ptr, x_ptr = int(y.gpudata) + r * y_row, int(x.gpudata) + r * x_row
-            if rows <= GEMV_ROWS and d_in % 8 == 0:
+            if rows <= GEMV_ROWS:  # (d_in is a multiple of 8, as gemv.cu needs: see __init__)
                 self.gemv(y_ptr, x_ptr, w, rows, d_in, d_out, out_f32)
             else:
                 self.blas.linear(y_ptr, x_ptr, int(w.gpudata), rows, d_in, d_out, out_f32)
