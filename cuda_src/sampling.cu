@@ -42,15 +42,45 @@ __device__ uint32_t philox_first_word(uint32_t k0, uint32_t k1, uint32_t c0) {
 }
 
 #define SAMPLE_THREADS 1024
+#define WALK_LOADS 4  // 16-byte loads a thread has in flight while it walks a row
+
+// Calls visit(i, x[i]) for the logits this thread owns, in increasing i: with 16-byte
+// loads, WALK_LOADS at a time, when rows are 16-byte aligned (vocab % 4 == 0), one
+// float at a time otherwise. A row is 0.5 MB at a 128K vocabulary, and one block walks
+// it: at batch 1 one load at a time would leave the walk waiting on each.
+template <typename Visit>
+__device__ __forceinline__ void walk_row(const float* x, int vocab, Visit visit) {
+    if (vocab % 4) {
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) visit(i, x[i]);
+        return;
+    }
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const int n4 = vocab / 4, stride = blockDim.x;
+    for (int i = threadIdx.x; i < n4; i += WALK_LOADS * stride) {
+        float4 v[WALK_LOADS];
+#pragma unroll
+        for (int u = 0; u < WALK_LOADS; u++)
+            if (i + u * stride < n4) v[u] = __ldg(x4 + i + u * stride);
+#pragma unroll
+        for (int u = 0; u < WALK_LOADS; u++) {
+            const int j = i + u * stride;
+            if (j >= n4) break;
+            visit(4 * j, v[u].x);
+            visit(4 * j + 1, v[u].y);
+            visit(4 * j + 2, v[u].z);
+            visit(4 * j + 3, v[u].w);
+        }
+    }
+}
 
 // Count (or mass) of probabilities p_i = exp((logit_i - max) / temperature) >= threshold
 // (for one threshold: largest_threshold makes these sums for several at once).
 __device__ float kept(const float* x, int vocab, float max, float inv_t, float threshold, bool mass, float* scratch) {
     float acc = 0.f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float p = __expf((x[i] - max) * inv_t);
+    walk_row(x, vocab, [&](int, float logit) {
+        float p = __expf((logit - max) * inv_t);
         if (p >= threshold) acc += mass ? p : 1.f;
-    }
+    });
     return block_sum(acc, scratch);
 }
 
@@ -73,12 +103,12 @@ __device__ float largest_threshold(const float* x, int vocab, float max, float i
             threshold[j] = __uint_as_float(lo + step * (j + 1));
             acc[j] = 0.f;
         }
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-            float p = __expf((x[i] - max) * inv_t);
+        walk_row(x, vocab, [&](int, float logit) {
+            float p = __expf((logit - max) * inv_t);
 #pragma unroll
             for (int j = 0; j < SEARCH_WAYS - 1; j++)
                 if (p >= threshold[j]) acc[j] += mass ? p : 1.f;
-        }
+        });
         uint32_t next_lo = lo, next_hi = hi;  // (the same in every thread: block sums are)
 #pragma unroll
         for (int j = 0; j < SEARCH_WAYS - 1; j++) {
@@ -116,8 +146,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_tokens(
     // argmax, first index on ties
     float best = -INFINITY;
     int arg = vocab;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-        if (x[i] > best) { best = x[i]; arg = i; }
+    walk_row(x, vocab, [&](int i, float logit) {
+        if (logit > best) { best = logit; arg = i; }
+    });
     float max = block_max(best, scratch);
     int cand = best == max ? arg : vocab;
     for (int o = 16; o > 0; o >>= 1) cand = min(cand, __shfl_xor_sync(0xffffffff, cand, o));
