@@ -127,6 +127,31 @@ __device__ float largest_threshold(const float* x, int vocab, float max, float i
     return __uint_as_float(lo);
 }
 
+// p_k = exp((x[i + k] - max) / t) for k < 4 where that token is kept (p_k >= threshold,
+// i + k < end), else 0. One 16-byte load when rows are 16-byte aligned.
+__device__ __forceinline__ void kept_four(const float* x, int i, int end, int vocab, float max, float inv_t,
+                                          float threshold, float p[4]) {
+    float v[4];
+    if (vocab % 4 == 0 && i + 3 < end) {  // (i is a multiple of 4: see the draw's ranges)
+        const float4 q = __ldg(reinterpret_cast<const float4*>(x + i));
+        v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+    } else {
+        for (int k = 0; k < 4; k++) v[k] = i + k < end ? x[i + k] : -INFINITY;
+    }
+    for (int k = 0; k < 4; k++) {
+        const float e = __expf((v[k] - max) * inv_t);
+        p[k] = i + k < end && e >= threshold ? e : 0.f;
+    }
+}
+
+// The last of the four tokens at i that kept_four kept, or -1.
+__device__ __forceinline__ int last_kept(const float p[4], int i) {
+    int last = -1;
+    for (int k = 0; k < 4; k++)
+        if (p[k] > 0.f) last = i + k;
+    return last;
+}
+
 // One block per sampling sequence:
 //   temperature 0: the first index of the largest logit;
 //   else keep tokens with p >= max(top-k threshold, top-p threshold, min_p), where
@@ -137,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_tokens(
     const float* __restrict__ top_p, const int* __restrict__ top_k, const float* __restrict__ min_p,
     const uint32_t* __restrict__ seed_lo, const uint32_t* __restrict__ seed_hi, const int* __restrict__ step) {
     __shared__ float scratch[32];
-    __shared__ float chunk_excl[SAMPLE_THREADS];
+    __shared__ float warp_excl[32];
     __shared__ int best_idx[32];
     __shared__ int choice;
     const int row = blockIdx.x;
@@ -173,37 +198,63 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_tokens(
         float total = kept(x, vocab, max, inv_t, 0.f, true, scratch);
         threshold = fmaxf(threshold, largest_threshold(x, vocab, max, inv_t, top_p[row] * total, true, scratch));
     }
-    // Each thread owns a contiguous chunk of the vocabulary: scan chunk masses, then
-    // the thread whose chunk holds u finds the token in it.
-    const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
-    const int lo = threadIdx.x * chunk, hi = min(vocab, lo + chunk);
+    // The draw. Warp w owns a contiguous range of the row, which its lanes read 128
+    // elements at a time (4 each, one 16-byte load): sum each warp's kept mass, scan
+    // the warps' masses, and the warp whose range holds u walks it to the token.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int span = ((vocab + warps - 1) / warps + 127) / 128 * 128;
+    const int lo = min(vocab, warp * span), hi = min(vocab, lo + span);
     float mine = 0.f;
-    for (int i = lo; i < hi; i++) {
-        float p = __expf((x[i] - max) * inv_t);
-        if (p >= threshold) mine += p;
+#pragma unroll 4
+    for (int i = lo + 4 * lane; i < hi; i += 128) {
+        float p[4];
+        kept_four(x, i, hi, vocab, max, inv_t, threshold, p);
+        mine += (p[0] + p[1]) + (p[2] + p[3]);
     }
-    chunk_excl[threadIdx.x] = mine;
+    mine = warp_sum(mine);
+    if (lane == 0) warp_excl[warp] = mine;
     __syncthreads();
-    if (threadIdx.x == 0) {  // exclusive scan; 1024 adds, once per sampled token
+    if (threadIdx.x == 0) {  // exclusive scan over the warps
         float run = 0.f;
-        for (int i = 0; i < (int)blockDim.x; i++) { float v = chunk_excl[i]; chunk_excl[i] = run; run += v; }
-        scratch[0] = run;
+        for (int w = 0; w < warps; w++) { float v = warp_excl[w]; warp_excl[w] = run; run += v; }
         uint32_t bits = philox_first_word(seed_lo[row], seed_hi[row], (uint32_t)step[row]);
         scratch[1] = (bits >> 8) * (1.f / 16777216.f) * run;  // u in [0, kept mass)
     }
     __syncthreads();
-    const float u = scratch[1], start = chunk_excl[threadIdx.x];
-    if (mine > 0.f && u >= start && u < start + mine) {
+    const float u = scratch[1], start = warp_excl[warp];
+    if (mine > 0.f && u >= start && u < start + mine) {  // one warp: the ranges [start, start + mine) tile [0, kept mass)
         float run = start;
-        int pick = -1, last = -1;
-        for (int i = lo; i < hi && pick < 0; i++) {
-            float p = __expf((x[i] - max) * inv_t);
-            if (p < threshold) continue;
-            last = i;
-            run += p;
-            if (u < run) pick = i;
+        int pick = -1, last = -1;  // (the same in every lane)
+        for (int base = lo; base < hi && pick < 0; base += 128) {
+            const int i = base + 4 * lane;
+            float p[4];
+            kept_four(x, i, hi, vocab, max, inv_t, threshold, p);
+            const float lane_mass = (p[0] + p[1]) + (p[2] + p[3]);
+            float through = lane_mass;  // inclusive scan over the lanes
+            for (int o = 1; o < 32; o <<= 1) {
+                const float before = __shfl_up_sync(0xffffffff, through, o);
+                if (lane >= o) through += before;
+            }
+            const int my_last = last_kept(p, i);
+            int step_last = my_last;
+            for (int o = 16; o > 0; o >>= 1) step_last = ::max(step_last, __shfl_xor_sync(0xffffffff, step_last, o));
+            if (step_last >= 0) last = step_last;
+            // the first lane with mass whose slice ends past u holds it, if any does
+            const unsigned holders = __ballot_sync(0xffffffff, lane_mass > 0.f && u < run + through);
+            if (holders) {
+                const int holder = __ffs(holders) - 1;
+                int my_pick = my_last;  // (where rounding that runs past u lands)
+                float r = run + through - lane_mass;
+                for (int k = 0; k < 4; k++) {
+                    if (p[k] <= 0.f) continue;
+                    r += p[k];
+                    if (u < r) { my_pick = i + k; break; }
+                }
+                pick = __shfl_sync(0xffffffff, my_pick, holder);
+            }
+            run += __shfl_sync(0xffffffff, through, 31);
         }
-        choice = pick >= 0 ? pick : last;  // rounding at the chunk's end
+        if (lane == 0) choice = pick >= 0 ? pick : last;  // (rounding past the range's end: its last kept token)
     }
     __syncthreads();
     if (threadIdx.x == 0) out[row] = choice;
