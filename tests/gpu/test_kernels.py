@@ -247,15 +247,22 @@ def test_greedy_sampling_is_argmax(kernels):
     (SamplingParams(min_p=0.5), {0, 1}),
     (SamplingParams(), {0, 1, 2, 3, 4}),
 ])
-def test_sampling_filters_and_frequencies(kernels, params, support):
+@pytest.mark.parametrize("vocab, n, atol", [(5, 20000, 0.015), (128256, 3000, 0.035)])
+def test_sampling_filters_and_frequencies(kernels, params, support, vocab, n, atol):
+    """Five tokens with these probabilities, the rest of the vocabulary at -inf: in a
+    5-token vocabulary (the kernel's one-float-at-a-time walks) and spread over a
+    128K one (16-byte loads, every part of a row's walk and of a warp's range)."""
     probs = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
-    n = 20000
-    logits = np.tile(np.log(probs).astype(np.float32), (n, 1))
-    tokens = sample_gpu(kernels, logits, [params] * n, RNG.integers(0, 2**32, n), [0] * n)
-    assert set(tokens.tolist()) == support
+    where = np.arange(5) if vocab == 5 else np.array([3, 40_001, 70_002, 100_003, vocab - 1])
+    row = np.full(vocab, -np.inf, np.float32)
+    row[where] = np.log(probs)
+    tokens = sample_gpu(kernels, np.tile(row, (n, 1)), [params] * n, RNG.integers(0, 2**32, n), [0] * n)
+    picked = np.searchsorted(where, tokens)
+    assert np.array_equal(where[picked], tokens)  # only the five
+    assert set(picked.tolist()) == support
     expected = np.where(np.isin(np.arange(5), list(support)), probs, 0)
     expected /= expected.sum()
-    assert np.allclose(np.bincount(tokens, minlength=5) / n, expected, atol=0.015)
+    assert np.allclose(np.bincount(picked, minlength=5) / n, expected, atol=atol)
 
 
 def test_seeded_sampling_depends_only_on_seed_and_step(kernels):
