@@ -374,8 +374,12 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_
     }
 }
 
-// out[t, h, :] = sum_p acc_p * exp(max_p - M) / sum_p sum_p * exp(max_p - M), M = max_p max_p
-// grid: (tokens, heads); block: HEAD_DIM
+// out[t, h, :] = sum_p acc_p * exp(max_p - M) / sum_p sum_p * exp(max_p - M), M = max_p max_p,
+// over the partitions p that hold positions (max_p > -inf; the others' acc and sum were
+// never written). grid: (tokens, heads); block: HEAD_DIM.
+// A partition's loads do not wait on its max: an empty one is read and then dropped
+// by a select, not skipped by a branch, so that several partitions' loads are in
+// flight at once (the sums and their order are those of the skipping loop).
 extern "C" __global__ void paged_attention_merge(bf16* __restrict__ out, const float* __restrict__ part_acc,
                                                  const float* __restrict__ part_max,
                                                  const float* __restrict__ part_sum, int partitions) {
@@ -384,12 +388,13 @@ extern "C" __global__ void paged_attention_merge(bf16* __restrict__ out, const f
     float m = -INFINITY;
     for (int p = 0; p < partitions; p++) m = fmaxf(m, part_max[base + p]);
     float num = 0.f, den = 0.f;
+#pragma unroll 4
     for (int p = 0; p < partitions; p++) {
-        float mp = part_max[base + p];
-        if (mp == -INFINITY) continue;
-        float w = __expf(mp - m);
-        num += w * part_acc[(base + p) * HEAD_DIM + d];
-        den += w * part_sum[base + p];
+        const float mp = part_max[base + p], acc = part_acc[(base + p) * HEAD_DIM + d], sum = part_sum[base + p];
+        const bool held = mp != -INFINITY;
+        const float w = __expf(mp - m);
+        num = held ? num + w * acc : num;
+        den = held ? den + w * sum : den;
     }
     out[((size_t)t * heads + h) * HEAD_DIM + d] = to_bf16(num / den);
 }
