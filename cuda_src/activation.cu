@@ -4,6 +4,7 @@
 // 2 * inter (the fused gate/up projection). Each thread takes 8 consecutive elements.
 // grid: (ceil(inter / (8 * blockDim)), tokens); inter % 8 == 0 (checked by the host)
 extern "C" __global__ void silu_and_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up, int inter) {
+    await_previous_kernel();
     const int i = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (i >= inter) return;
     const bf16* row = gate_up + (size_t)blockIdx.y * 2 * inter;

@@ -97,6 +97,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     const int* __restrict__ block_tables, int max_blocks,  // [seqs, max_blocks]
     const int* __restrict__ token_seq, const int* __restrict__ positions,
     int heads, int kv_heads, int block_size, int partition, float scale) {
+    await_previous_kernel();
     __shared__ int blocks_s[MAX_PART_BLOCKS];
     __shared__ float m_s[WARPS][GROUP], l_s[WARPS][GROUP];
     __shared__ float acc_s[WARPS][GROUP][HEAD_DIM];
@@ -251,6 +252,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_
     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ token_seq,
     const int* __restrict__ positions, const int* __restrict__ tiles,
     int heads, int kv_heads, int block_size, int partition, float scale) {
+    await_previous_kernel();
     __shared__ __align__(16) bf16 k_s[KV_TILE][HEAD_DIM + PAD];   // [position][dim]
     __shared__ __align__(16) bf16 vt_s[HEAD_DIM][KV_TILE + PAD];  // [dim][position]
     const int kvh = blockIdx.y, part = blockIdx.z, first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
@@ -383,6 +385,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_
 extern "C" __global__ void paged_attention_merge(bf16* __restrict__ out, const float* __restrict__ part_acc,
                                                  const float* __restrict__ part_max,
                                                  const float* __restrict__ part_sum, int partitions) {
+    await_previous_kernel();
     const int t = blockIdx.x, h = blockIdx.y, heads = gridDim.y, d = threadIdx.x;
     const size_t base = ((size_t)t * heads + h) * partitions;
     float m = -INFINITY;

@@ -8,6 +8,21 @@ typedef __nv_bfloat16 bf16;
 
 __device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 to_bf16(float x) { return __float2bfloat16_rn(x); }
+// Programmatic dependent launch (sm_90 and later). In a CUDA graph whose kernel-to-
+// kernel edges are programmatic (engine/backends/cuda_graph.py), a kernel's blocks are
+// scheduled while the kernel before it still runs, so that its launch (and the GEMV's
+// first weight reads) overlap the other's tail. So every kernel calls this in every
+// thread before it reads what an earlier kernel wrote, writes anything, or exits: it
+// returns once the previous kernel has completed and its writes are visible (that one
+// waited for its own predecessor, so all earlier kernels have completed too), and then
+// lets the next kernel's blocks be scheduled. Outside such a graph it returns at once.
+__device__ __forceinline__ void await_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Round a float32 to the nearest bfloat16 value, kept as float32: where
 // transformers computes in bfloat16, this reproduces its rounding.
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }

@@ -10,6 +10,7 @@
 extern "C" __global__ void add_rmsnorm(float* __restrict__ residual, const bf16* __restrict__ delta,
                                        const bf16* __restrict__ weight, bf16* __restrict__ out,
                                        const int* __restrict__ rows, int hidden, float eps) {
+    await_previous_kernel();
     __shared__ float scratch[32];
     const int r = rows[blockIdx.x];
     float* x = residual + (size_t)r * hidden;

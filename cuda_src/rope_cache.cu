@@ -13,6 +13,7 @@ extern "C" __global__ void rope_and_cache(bf16* __restrict__ qkv, bf16* __restri
                                           bf16* __restrict__ v_cache, const int* __restrict__ positions,
                                           const int* __restrict__ slots, const float* __restrict__ inv_freq,
                                           int heads, int kv_heads, int head_dim) {
+    await_previous_kernel();
     const int t = blockIdx.x, half = head_dim / 2;
     const float pos = (float)positions[t];
     const size_t width = (size_t)(heads + 2 * kv_heads) * head_dim;

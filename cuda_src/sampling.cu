@@ -11,6 +11,7 @@ extern "C" __global__ void apply_penalties(float* __restrict__ logits, int vocab
                                            const int* __restrict__ entry_count, const int* __restrict__ entry_banned,
                                            const float* __restrict__ repetition, const float* __restrict__ presence,
                                            const float* __restrict__ frequency) {
+    await_previous_kernel();
     int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= entries) return;
     int row = entry_row[e];
@@ -161,6 +162,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_tokens(
     int* __restrict__ out, const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
     const float* __restrict__ top_p, const int* __restrict__ top_k, const float* __restrict__ min_p,
     const uint32_t* __restrict__ seed_lo, const uint32_t* __restrict__ seed_hi, const int* __restrict__ step) {
+    await_previous_kernel();
     __shared__ float scratch[32];
     __shared__ float warp_excl[32];
     __shared__ int best_idx[32];

@@ -38,3 +38,17 @@ def test_compiles_for_sm90_without_spills(source, head_dim, group, tmp_path):
     assert spills and not any(spills), report
     stacks = [int(n) for n in re.findall(r"(\d+) bytes stack frame", report)]
     assert not any(stacks), report
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed (CI and the development machines have it)")
+@pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
+def test_every_kernel_awaits_its_predecessor(source, tmp_path):
+    """CUDA graphs make the edges into our kernels programmatic (engine/backends/cuda_graph.py):
+    that is safe only if each of them waits for the kernel before it (common.cuh)."""
+    ptx = tmp_path / "k.ptx"
+    subprocess.run([NVCC, "-arch=sm_90", "-ptx", "-O3", f"-I{CUDA_SRC}", "-o", str(ptx), str(source)], check=True, timeout=300)
+    entries = re.split(r"\.entry\s+", ptx.read_text())[1:]
+    assert entries
+    for body in entries:
+        name = body.split("(", 1)[0].strip()
+        assert "griddepcontrol.wait" in body and "griddepcontrol.launch_dependents" in body, name

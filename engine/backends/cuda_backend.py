@@ -140,8 +140,9 @@ class DecodeGraphs:
         buffers.meta.set(be._metadata([], shape))  # all padding: valid to run
         be._launch(buffers, shape)  # once eagerly, so cuBLAS settles its choices outside the capture
         be.stream.synchronize()
-        graph = CudaGraph(be.stream.handle, lambda: be._launch(buffers, shape))
-        log.info("captured a CUDA graph for decode batches of up to %d", size)
+        graph = CudaGraph(be.stream.handle, lambda: be._launch(buffers, shape), awaiting_kernels=Kernels.SIGNATURES)
+        log.info("captured a CUDA graph for decode batches of up to %d (%d programmatic launches)", size,
+                 graph.programmatic_edges)
         return shape, buffers, graph
 
     def close(self) -> None:

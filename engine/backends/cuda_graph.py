@@ -1,13 +1,35 @@
 """CUDA graphs through the driver API (PyCUDA has none): capture the work queued on a
-stream once, then replay it with a single launch instead of hundreds."""
+stream once, then replay it with a single launch instead of hundreds.
+
+Edges into the kernels that await their predecessor (cuda_src/common.cuh's
+`await_previous_kernel`) are made programmatic, so that each of those kernels is
+scheduled while the one before it still runs and only its dependent part waits:
+a kernel boundary then costs no launch gap and no ramp-up (programmatic dependent
+launch, sm_90 and later). Other edges (into cuBLAS's kernels) stay as captured."""
 
 from __future__ import annotations
 
 import ctypes
-from typing import Callable
+import logging
+from typing import Callable, Iterable
 
+log = logging.getLogger("llamastream.engine")
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
+CU_GRAPH_NODE_TYPE_KERNEL = 0
+CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC = 1
+CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC = 1  # fires once every block of the source has triggered or exited
 _lib: ctypes.CDLL | None = None
+
+
+class _EdgeData(ctypes.Structure):  # CUgraphEdgeData
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte),
+                ("reserved", ctypes.c_ubyte * 5)]
+
+
+class _KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem_bytes", ctypes.c_uint), ("kernel_params", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
 def _driver() -> ctypes.CDLL:
@@ -23,8 +45,9 @@ def _check(result: int, what: str) -> None:
 
 
 class CudaGraph:
-    def __init__(self, stream_handle: int, record: Callable[[], None]):
-        """Capture what `record` queues on the stream (it must not allocate or synchronize)."""
+    def __init__(self, stream_handle: int, record: Callable[[], None], awaiting_kernels: Iterable[str] = ()):
+        """Capture what `record` queues on the stream (it must not allocate or synchronize).
+        `awaiting_kernels` names the kernels whose incoming edges may be programmatic."""
         lib, self.stream = _driver(), ctypes.c_void_p(stream_handle)
         _check(lib.cuStreamBeginCapture_v2(self.stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
         graph = ctypes.c_void_p()
@@ -34,6 +57,7 @@ class CudaGraph:
             _check(lib.cuStreamEndCapture(self.stream, ctypes.byref(graph)), "cuStreamEndCapture")
         self.exec = ctypes.c_void_p()
         try:
+            self.programmatic_edges = _make_programmatic(graph, frozenset(awaiting_kernels))
             _check(lib.cuGraphInstantiateWithFlags(ctypes.byref(self.exec), graph, ctypes.c_ulonglong(0)), "cuGraphInstantiate")
         finally:
             lib.cuGraphDestroy(graph)
@@ -45,3 +69,41 @@ class CudaGraph:
         if self.exec:
             _driver().cuGraphExecDestroy(self.exec)
             self.exec = ctypes.c_void_p()
+
+
+def _kernel_name(node: ctypes.c_void_p) -> str | None:
+    """The function a kernel node launches, or None for other nodes."""
+    lib, kind = _driver(), ctypes.c_int()
+    _check(lib.cuGraphNodeGetType(node, ctypes.byref(kind)), "cuGraphNodeGetType")
+    if kind.value != CU_GRAPH_NODE_TYPE_KERNEL:
+        return None
+    params, name = _KernelNodeParams(), ctypes.c_char_p()
+    _check(lib.cuGraphKernelNodeGetParams_v2(node, ctypes.byref(params)), "cuGraphKernelNodeGetParams")
+    if not params.func or lib.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(params.func)) != 0:
+        return None
+    return name.value.decode()
+
+
+def _make_programmatic(graph: ctypes.c_void_p, awaiting: frozenset[str]) -> int:
+    """Turn every kernel-to-kernel edge whose target is in `awaiting` programmatic;
+    return how many. A driver older than CUDA 12.3 has no edge data: none are."""
+    lib = _driver()
+    if not awaiting or not hasattr(lib, "cuGraphGetEdges_v2") or not hasattr(lib, "cuFuncGetName"):
+        return 0
+    count = ctypes.c_size_t()
+    _check(lib.cuGraphGetEdges_v2(graph, None, None, None, ctypes.byref(count)), "cuGraphGetEdges")
+    n = count.value
+    sources, targets, data = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (_EdgeData * n)()
+    _check(lib.cuGraphGetEdges_v2(graph, sources, targets, data, ctypes.byref(count)), "cuGraphGetEdges")
+    changed = 0
+    for source, target, edge in zip(sources, targets, data):
+        source, target = ctypes.c_void_p(source), ctypes.c_void_p(target)
+        if edge.type != 0 or _kernel_name(target) not in awaiting or _kernel_name(source) is None:
+            continue
+        programmatic = _EdgeData(from_port=CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC, type=CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
+        _check(lib.cuGraphRemoveDependencies_v2(graph, ctypes.byref(source), ctypes.byref(target), ctypes.byref(edge),
+                                                ctypes.c_size_t(1)), "cuGraphRemoveDependencies")
+        _check(lib.cuGraphAddDependencies_v2(graph, ctypes.byref(source), ctypes.byref(target), ctypes.byref(programmatic),
+                                             ctypes.c_size_t(1)), "cuGraphAddDependencies")
+        changed += 1
+    return changed

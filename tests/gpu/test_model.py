@@ -207,24 +207,45 @@ def test_default_batch_stays_within_bfloat16_noise_of_alone(llama):
     assert max(errors) < 3e-2
 
 
-def test_cuda_graph_replays_equal_eager_steps(invariant_engine):
+def tokens_with_and_without_graphs(engine, batch_invariant: bool, prompts: list[list[int]], max_num_seqs: int):
+    """Each prompt greedy and sampled, by `engine` (CUDA graphs on) and by an engine
+    without graphs, `max_num_seqs` at a time; checks that graphs replayed, with
+    programmatic launches (cuda_graph.py)."""
     from engine.backends.cuda_backend import CudaBackend
 
-    engine = invariant_engine
     model = engine.model
-    eager = LLMEngine(model, CudaBackend(model.config, model.weights, cuda_graphs=False, batch_invariant=True),
-                      EngineConfig(num_kv_blocks=512))
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(0, 128000, n).tolist() for n in (1, 7, 64, 200, 333)]
+    eager = LLMEngine(model, CudaBackend(model.config, model.weights, cuda_graphs=False, batch_invariant=batch_invariant),
+                      EngineConfig(num_kv_blocks=512, max_num_seqs=max_num_seqs))
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=11, max_tokens=12, ignore_eos=True)]
     results = []
     for e in (engine, eager):
         seqs = [e.make_sequence(f"r{i}{j}", p, params[j]) for i, p in enumerate(prompts) for j in range(2)]
-        outs = run(e, seqs, check_blocks=False)
+        outs = {}
+        for first in range(0, len(seqs), max_num_seqs):
+            outs |= run(e, seqs[first : first + max_num_seqs], check_blocks=False)
         results.append({rid: tokens(o) for rid, o in outs.items()})
-    assert engine.backend.graphs.replays > 0 and eager.backend.graphs is None
-    assert results[0] == results[1]
+    graphs = engine.backend.graphs
+    assert graphs.replays > 0 and eager.backend.graphs is None
+    assert all(graph.programmatic_edges > 0 for _, _, graph in graphs.graphs.values())
+    return results
+
+
+def test_cuda_graph_replays_equal_eager_steps(invariant_engine):
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 128000, n).tolist() for n in (1, 7, 64, 200, 333)]
+    with_graphs, without = tokens_with_and_without_graphs(invariant_engine, True, prompts, max_num_seqs=64)
+    assert with_graphs == without
+
+
+def test_batch_1_graph_replays_equal_eager_steps(llama):
+    """At batch 1 the GEMMs are our GEMV, which reads its first weights before it waits
+    for the kernel before it: replays and eager steps run the same kernels on the same
+    rows, so the tokens are the same."""
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 128000, n).tolist() for n in (3, 150)]
+    with_graphs, without = tokens_with_and_without_graphs(llama[1], False, prompts, max_num_seqs=1)
+    assert with_graphs == without
 
 
 def test_steps_that_run_ahead_equal_plain_steps(invariant_engine):
