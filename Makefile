@@ -62,7 +62,7 @@ gpu-bench:
 	  make_model(pathlib.Path('$(BENCH_OUT)/llama-1b-random'), LLAMA_32_1B, seed=0)"
 	$(PYTHON) bench/latency.py | tee $(BENCH_OUT)/latency.txt
 	$(PYTHON) bench/engine_throughput.py | tee $(BENCH_OUT)/engine_throughput.txt
-	$(PYTHON) bench/engine_throughput.py --batch-invariant | tee $(BENCH_OUT)/engine_throughput_invariant.txt
+	$(PYTHON) bench/engine_throughput.py --batch-invariant --no-transformers | tee $(BENCH_OUT)/engine_throughput_invariant.txt
 	$(PYTHON) bench/profile_step.py | tee $(BENCH_OUT)/profile_step.txt
 	$(PYTHON) bench/decode_attention.py | tee $(BENCH_OUT)/decode_attention.txt
 	$(PYTHON) bench/serve.py --model $(BENCH_OUT)/llama-1b-random --device cuda --vocab 128000 --num-prompts 256 \

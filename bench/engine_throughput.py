@@ -2,7 +2,12 @@
 prompt and output lengths uniform in 100..1024 random tokens, eos ignored, all
 submitted at once; Llama 3.2 1B shape, bfloat16, random weights.
 
-    python bench/engine_throughput.py [--requests 256] [--batch-invariant]   # on a machine with an NVIDIA GPU
+    python bench/engine_throughput.py [--requests 256] [--batch-invariant] [--no-transformers]   # NVIDIA GPU, torch
+
+Beside it, in the same run, transformers' `generate` on the same requests as one
+static batch: prompts left-padded, every row decoding to the longest output, and
+only each request's own output tokens counted (what a server without continuous
+batching delivers).
 
 The floor: a decode step at batch B reads the weights once (2.47 GB) and each
 sequence's K/V (32 KB a token at this shape) and does 2 x 1.24 G FLOPs per sequence;
@@ -38,13 +43,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--batch-invariant", action="store_true", help="GEMMs in fixed row tiles, as the server's flag")
+    ap.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the transformers run")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     prompt_lens = rng.integers(100, 1025, args.requests)
     output_lens = rng.integers(100, 1025, args.requests)
-    with tempfile.TemporaryDirectory() as tmp:
-        make_model(Path(tmp), LLAMA_32_1B, seed=0)
-        model = load_model(tmp)
+    tmp = tempfile.TemporaryDirectory()
+    make_model(Path(tmp.name), LLAMA_32_1B, seed=0)
+    model = load_model(tmp.name)
     backend = CudaBackend(model.config, model.weights, batch_invariant=args.batch_invariant)
     blocks = int((prompt_lens + output_lens).sum() // 16 + 2 * args.requests)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=blocks, max_num_seqs=args.requests,
@@ -53,9 +59,9 @@ def main() -> None:
     engine.add(warm)
     while engine.has_work():
         engine.step()
-    seqs = [engine.make_sequence(f"r{i}", rng.integers(0, 128000, p).tolist(),
-                                 SamplingParams(temperature=0.0, max_tokens=int(o), ignore_eos=True))
-            for i, (p, o) in enumerate(zip(prompt_lens, output_lens))]
+    prompts = [rng.integers(0, 128000, p).tolist() for p in prompt_lens]
+    seqs = [engine.make_sequence(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=int(o), ignore_eos=True))
+            for i, (p, o) in enumerate(zip(prompts, output_lens))]
     timeline = StepTimeline(backend)
     start = time.perf_counter()
     for s in seqs:
@@ -72,10 +78,40 @@ def main() -> None:
     # floor at batch B = all requests, mean context = mean prompt + half the mean output
     B, context = args.requests, prompt_lens.mean() + output_lens.mean() / 2
     step_s = max((WEIGHT_BYTES + B * context * KV_BYTES_PER_TOKEN) / BANDWIDTH, B * FLOPS_PER_TOKEN / PEAK)
-    print(f"{'requests':>8} | {'output tokens':>13} | {'steps':>6} | {'time (s)':>8} | {'output tok/s':>12} | {'floor tok/s':>11}")
-    print(f"{B:>8} | {generated:>13} | {steps:>6} | {elapsed:8.1f} | {generated / elapsed:12.0f} | {B / step_s:11.0f}")
+    theirs = f"{transformers_static_batch(tmp.name, prompts, output_lens):.0f}" if args.transformers else "-"
+    tmp.cleanup()
+    print(f"{'requests':>8} | {'output tokens':>13} | {'steps':>6} | {'time (s)':>8} | {'output tok/s':>12} | "
+          f"{'transformers tok/s':>18} | {'floor tok/s':>11}")
+    print(f"{B:>8} | {generated:>13} | {steps:>6} | {elapsed:8.1f} | {generated / elapsed:12.0f} | {theirs:>18} | "
+          f"{B / step_s:11.0f}")
     print(f"(CUDA graph replays: {backend.graphs.replays if backend.graphs else 0} of {steps} steps; KV blocks: {blocks})")
     timeline.report(elapsed)
+
+
+def transformers_static_batch(model_dir: str, prompts: list[list[int]], output_lens: np.ndarray) -> float:
+    """Output tokens/s of transformers' generate over all requests in one batch (see the docstring)."""
+    import torch
+    import transformers
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    width = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding: every row's last prompt token in the last column
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    new = int(output_lens.max())
+    with torch.no_grad():
+        hf.generate(ids[:2].cuda(), attention_mask=mask[:2].cuda(), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                    pad_token_id=0)
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    del hf
+    torch.cuda.empty_cache()
+    return float(output_lens.sum()) / elapsed
 
 
 class StepTimeline:
