@@ -10,13 +10,11 @@ launch, sm_90 and later). Other edges (into cuBLAS's kernels) stay as captured."
 from __future__ import annotations
 
 import ctypes
-import logging
 from typing import Callable, Iterable
 
-log = logging.getLogger("llamastream.engine")
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
 CU_GRAPH_NODE_TYPE_KERNEL = 0
-CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC = 1
+CU_GRAPH_DEPENDENCY_TYPE_DEFAULT, CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC = 0, 1
 CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC = 1  # fires once every block of the source has triggered or exited
 _lib: ctypes.CDLL | None = None
 
@@ -98,7 +96,7 @@ def _make_programmatic(graph: ctypes.c_void_p, awaiting: frozenset[str]) -> int:
     changed = 0
     for source, target, edge in zip(sources, targets, data):
         source, target = ctypes.c_void_p(source), ctypes.c_void_p(target)
-        if edge.type != 0 or _kernel_name(target) not in awaiting or _kernel_name(source) is None:
+        if edge.type != CU_GRAPH_DEPENDENCY_TYPE_DEFAULT or _kernel_name(target) not in awaiting or _kernel_name(source) is None:
             continue
         programmatic = _EdgeData(from_port=CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC, type=CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
         _check(lib.cuGraphRemoveDependencies_v2(graph, ctypes.byref(source), ctypes.byref(target), ctypes.byref(edge),
