@@ -3,7 +3,7 @@ time per output token (128-token prompt, 256 new tokens; greedy, and once with t
 and top-p sampling) and time to first token (one 1024-token prompt, idle engine),
 beside transformers measured in the same run and beside the floor.
 
-    python bench/latency.py          # on a machine with an NVIDIA GPU, torch and transformers
+    python bench/latency.py [--no-transformers]   # on a machine with an NVIDIA GPU, torch and transformers
 
 Floors: decode reads every weight once per token (2.47 GB at the 4.27 TB/s copy
 bandwidth measured on the H200: 0.58 ms); prefill of 1024 tokens does 2.6 TFLOP
@@ -12,6 +12,7 @@ bandwidth measured on the H200: 0.58 ms); prefill of 1024 tokens does 2.6 TFLOP
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import tempfile
@@ -55,7 +56,11 @@ def ours(engine: LLMEngine, prompt: list[int], new_tokens: int, sampling: dict =
     return (arrivals[0] - start) * 1e3, statistics.median(gaps) if gaps else float("nan")
 
 
-def transformers_per_token(model, prompt: list[int], new_tokens: int) -> float:
+def transformers_per_token(model_dir: str, prompt: list[int], new_tokens: int) -> float:
+    """transformers' greedy generate at batch 1, ms per token after a warm-up."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor([prompt], device="cuda")
     with torch.no_grad():
         model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)  # warm-up
@@ -67,8 +72,9 @@ def transformers_per_token(model, prompt: list[int], new_tokens: int) -> float:
 
 
 def main() -> None:
-    import transformers
-
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the transformers run")
+    args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp), LLAMA_32_1B, seed=0)
         model = load_model(tmp)
@@ -78,14 +84,13 @@ def main() -> None:
             backend = CudaBackend(model.config, model.weights, cuda_graphs=graphs, batch_invariant=invariant)
             engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
             ours(engine, prompt, 16)  # warm-up: kernels loaded, pool filled, graph captured
-            ttft[graphs, invariant] = statistics.median(ours(engine, list(range(2000, 3024)), 1)[0] for _ in range(5))
+            ttft[graphs, invariant] = statistics.median(ours(engine, list(range(2000, 3024)), 1)[0] for _ in range(15))
             if graphs and not invariant:
                 sampled_tpot = ours(engine, prompt, 256, SAMPLED)[1]
             timeline = StepTimeline(backend)  # (from here on, events around each step time it on the GPU)
             tpot[graphs, invariant] = ours(engine, prompt, 256)[1]
             gpu_step[graphs, invariant] = statistics.median(timeline.gpu_ms(prefill=False))
-        hf = transformers.LlamaForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).cuda().eval()
-        hf_tpot = transformers_per_token(hf, prompt, 256)
+        hf_tpot = transformers_per_token(tmp, prompt, 256) if args.transformers else float("nan")
     print(f"{'metric':<44} | {'llamastream':>11} | {'transformers':>12} | {'floor':>8}")
     print(f"{'batch-1 time per output token (ms)':<44} | {tpot[True, False]:11.2f} | {hf_tpot:12.2f} | {DECODE_FLOOR_MS:8.2f}")
     print(f"{'  the same, --enforce-eager (no CUDA graphs)':<44} | {tpot[False, False]:11.2f} | {'':>12} | {DECODE_FLOOR_MS:8.2f}")
