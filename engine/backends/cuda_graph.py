@@ -93,11 +93,12 @@ def _make_programmatic(graph: ctypes.c_void_p, awaiting: frozenset[str]) -> int:
     n = count.value
     sources, targets, data = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (_EdgeData * n)()
     _check(lib.cuGraphGetEdges_v2(graph, sources, targets, data, ctypes.byref(count)), "cuGraphGetEdges")
+    names = {node: _kernel_name(ctypes.c_void_p(node)) for node in set(sources) | set(targets)}  # (each node once)
     changed = 0
     for source, target, edge in zip(sources, targets, data):
-        source, target = ctypes.c_void_p(source), ctypes.c_void_p(target)
-        if edge.type != CU_GRAPH_DEPENDENCY_TYPE_DEFAULT or _kernel_name(target) not in awaiting or _kernel_name(source) is None:
+        if edge.type != CU_GRAPH_DEPENDENCY_TYPE_DEFAULT or names[target] not in awaiting or names[source] is None:
             continue
+        source, target = ctypes.c_void_p(source), ctypes.c_void_p(target)
         programmatic = _EdgeData(from_port=CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC, type=CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
         _check(lib.cuGraphRemoveDependencies_v2(graph, ctypes.byref(source), ctypes.byref(target), ctypes.byref(edge),
                                                 ctypes.c_size_t(1)), "cuGraphRemoveDependencies")
