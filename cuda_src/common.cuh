@@ -15,9 +15,11 @@ __device__ __forceinline__ bf16 to_bf16(float x) { return __float2bfloat16_rn(x)
 // thread before it reads what an earlier kernel wrote, writes anything, or exits: it
 // returns once the previous kernel has completed and its writes are visible (that one
 // waited for its own predecessor, so all earlier kernels have completed too), and then
-// lets the next kernel's blocks be scheduled. Outside such a graph it returns at once.
+// lets the next kernel's blocks be scheduled. Only the build for graphs
+// (-DPROGRAMMATIC_LAUNCH, engine/backends/cuda_backend.py's Kernels) has it: eager
+// launches take a build without it.
 __device__ __forceinline__ void await_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
+#if defined(PROGRAMMATIC_LAUNCH) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif

@@ -53,7 +53,9 @@ def _ptr(a) -> np.uintp:
 
 
 class Kernels:
-    """The kernels of cuda_src/, compiled for this device and prepared for launch."""
+    """The kernels of cuda_src/, compiled for this device and prepared for launch.
+    `programmatic` builds them to await their predecessor in-kernel (common.cuh), for
+    CUDA graphs whose edges into them are programmatic; eager launches take the plain build."""
 
     SIGNATURES = {
         "embedding_gather": ("embedding.cu", "PPPPi"),
@@ -68,13 +70,14 @@ class Kernels:
         "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
     }
 
-    def __init__(self, head_dim: int, group: int, arch: str):
+    def __init__(self, head_dim: int, group: int, arch: str, programmatic: bool = False):
         modules = {}
+        options = ["-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"] + (["-DPROGRAMMATIC_LAUNCH"] if programmatic else [])
         for name, (file, signature) in self.SIGNATURES.items():
             if file not in modules:
                 modules[file] = SourceModule(
-                    (CUDA_SRC / file).read_text(), no_extern_c=True, arch=arch,
-                    options=["-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"], include_dirs=[str(CUDA_SRC)],
+                    (CUDA_SRC / file).read_text(), no_extern_c=True, arch=arch, options=options,
+                    include_dirs=[str(CUDA_SRC)],
                 )
             fn = modules[file].get_function(name)
             fn.prepare(signature)
@@ -119,6 +122,7 @@ class DecodeGraphs:
         self.max_context = self.max_blocks * backend.block_size
         self.graphs: dict[int, tuple[StepShape, StepBuffers, CudaGraph]] = {}
         self.replays = 0
+        self.kernels = Kernels(*backend.kernel_build, programmatic=True)
 
     def for_batch(self, batch: list[ScheduledSeq]):
         if len(batch) > self.buckets[-1]:
@@ -138,9 +142,10 @@ class DecodeGraphs:
         shape = decode_shape(size, self.max_blocks, math.ceil(self.max_context / PARTITION), be.batch_invariant)
         buffers = StepBuffers(be.config, shape, lambda sh, dt: gpuarray.empty(sh, dt))
         buffers.meta.set(be._metadata([], shape))  # all padding: valid to run
-        be._launch(buffers, shape)  # once eagerly, so cuBLAS settles its choices outside the capture
+        be._launch(buffers, shape, self.kernels)  # once eagerly, so cuBLAS settles its choices outside the capture
         be.stream.synchronize()
-        graph = CudaGraph(be.stream.handle, lambda: be._launch(buffers, shape), awaiting_kernels=Kernels.SIGNATURES)
+        graph = CudaGraph(be.stream.handle, lambda: be._launch(buffers, shape, self.kernels),
+                          awaiting_kernels=Kernels.SIGNATURES)
         log.info("captured a CUDA graph for decode batches of up to %d (%d programmatic launches)", size,
                  graph.programmatic_edges)
         return shape, buffers, graph
@@ -167,7 +172,8 @@ class CudaBackend:
         with self._context():
             major, minor = self.device.compute_capability()
             group = config.num_heads // config.num_kv_heads
-            self.kernels = Kernels(config.head_dim, group, f"sm_{major}{minor}")
+            self.kernel_build = (config.head_dim, group, f"sm_{major}{minor}")
+            self.kernels = Kernels(*self.kernel_build)
             self.query_rows = prefill_query_rows(group)
             self.stream = cuda.Stream()
             self.pool = DeviceMemoryPool()
@@ -246,7 +252,9 @@ class CudaBackend:
             self._step_slots = [(cuda.pagelocked_empty(num_blocks, np.int32), cuda.Event()) for _ in range(2)]
         self.block_size, self.dummy_block = block_size, num_blocks
         enabled, max_batch, max_context = self._graph_settings
-        self.graphs = DecodeGraphs(self, max_batch, max_context) if enabled else None
+        if enabled:
+            with self._context():  # (compiles the kernels' build for graphs)
+                self.graphs = DecodeGraphs(self, max_batch, max_context)
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, block_size,
                  num_blocks * block_size, num_blocks * self.kv_cache_bytes_per_block(block_size) / 1e9)
 
@@ -265,9 +273,9 @@ class CudaBackend:
     def _metadata(self, batch: list[ScheduledSeq], shape: StepShape) -> np.ndarray:
         return build_metadata(batch, shape, self.block_size, self.dummy_block, self.query_rows, self._previous_samples)
 
-    def _launch(self, b: StepBuffers, shape: StepShape) -> None:
+    def _launch(self, b: StepBuffers, shape: StepShape, k: Kernels) -> None:
         """Queue the whole forward pass for `shape` on the stream (no allocation, no sync)."""
-        c, k, st, m = self.config, self.kernels, self.stream, b.meta_ptr
+        c, st, m = self.config, self.stream, b.meta_ptr
         T, S = shape.tokens, shape.samples
         H, KVH, D, I = c.hidden_size, c.num_kv_heads, c.head_dim, c.intermediate_size
         eps = np.float32(c.rms_norm_eps)
@@ -279,28 +287,28 @@ class CudaBackend:
         for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
             k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), has_delta, _ptr(layer["attn_norm"]),
                                               _ptr(b.h), m["all_rows"], np.int32(H), eps)
-            self._linear(b.qkv, b.h, layer["qkv"], tiles, H, c.q_size + 2 * c.kv_size)
+            self._linear(k, b.qkv, b.h, layer["qkv"], tiles, H, c.q_size + 2 * c.kv_size)
             k.rope_and_cache.prepared_async_call((T, 1), (rope_threads, 1, 1), st, _ptr(b.qkv), _ptr(kc), _ptr(vc),
                                                  m["positions"], m["slots"], _ptr(self.inv_freq),
                                                  np.int32(c.num_heads), np.int32(KVH), np.int32(D))
-            self._attention(b, shape, kc, vc)
-            self._linear(b.delta, b.attn, layer["o"], tiles, c.q_size, H)
+            self._attention(k, b, shape, kc, vc)
+            self._linear(k, b.delta, b.attn, layer["o"], tiles, c.q_size, H)
             k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(b.delta), _ptr(layer["mlp_norm"]),
                                               _ptr(b.h), m["all_rows"], np.int32(H), eps)
-            self._linear(b.gate_up, b.h, layer["gate_up"], tiles, H, 2 * I)
+            self._linear(k, b.gate_up, b.h, layer["gate_up"], tiles, H, 2 * I)
             k.silu_and_mul.prepared_async_call((-(-I // (8 * 256)), T), (256, 1, 1), st, _ptr(b.act), _ptr(b.gate_up), np.int32(I))
-            self._linear(b.delta, b.act, layer["down"], tiles, I, H)
+            self._linear(k, b.delta, b.act, layer["down"], tiles, I, H)
             has_delta = _ptr(b.delta)
         if S:
             k.add_rmsnorm.prepared_async_call((S, 1), (256, 1, 1), st, _ptr(b.residual), has_delta, _ptr(self.final_norm),
                                               _ptr(b.final), m["sample_rows"], np.int32(H), eps)
-            self._linear(b.logits, b.final, self.lm_head, shape.head_tiles(), H, c.vocab_size)
+            self._linear(k, b.logits, b.final, self.lm_head, shape.head_tiles(), H, c.vocab_size)
 
-    def _attention(self, b: StepBuffers, shape: StepShape, kc: gpuarray.GPUArray, vc: gpuarray.GPUArray) -> None:
+    def _attention(self, k: Kernels, b: StepBuffers, shape: StepShape, kc: gpuarray.GPUArray, vc: gpuarray.GPUArray) -> None:
         """Partial results per context partition, for decode rows (and the padding between
         the segments) from the decode kernel and for prompt rows from the prefill kernel
         (see step_metadata), then one merge over every row."""
-        c, k, st, m = self.config, self.kernels, self.stream, b.meta_ptr
+        c, st, m = self.config, self.stream, b.meta_ptr
         grid = (c.num_kv_heads, shape.partitions)
         partials = (_ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum), _ptr(b.qkv), _ptr(kc), _ptr(vc),
                     m["tables"], np.int32(shape.max_blocks), m["token_seq"], m["positions"])
@@ -327,13 +335,13 @@ class CudaBackend:
         shape = step_shape(batch, PARTITION, self.query_rows, self.batch_invariant)
         buffers = StepBuffers(self.config, shape, self._empty)
         buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
-        self._launch(buffers, shape)
+        self._launch(buffers, shape, self.kernels)
         # (buffers go back to the pool when dropped: later work on this one stream is
         # ordered after the kernels that use them)
         return buffers.logits[: shape.samples]
 
-    def _linear(self, y: gpuarray.GPUArray, x: gpuarray.GPUArray, w: gpuarray.GPUArray, tiles: list[tuple[int, int]],
-                d_in: int, d_out: int) -> None:
+    def _linear(self, k: Kernels, y: gpuarray.GPUArray, x: gpuarray.GPUArray, w: gpuarray.GPUArray,
+                tiles: list[tuple[int, int]], d_in: int, d_out: int) -> None:
         """y = x @ w^T, one GEMM per (first row, rows) tile (see step_metadata): our GEMV
         for a tile of a few rows (only ever a whole step's rows: batch-invariant tiles
         are larger), cuBLAS otherwise."""
@@ -342,13 +350,14 @@ class CudaBackend:
         for r, rows in tiles:
             y_ptr, x_ptr = int(y.gpudata) + r * y_row, int(x.gpudata) + r * x_row
             if rows <= GEMV_ROWS:  # (d_in is a multiple of 8, as gemv.cu needs: see __init__)
-                self.gemv(y_ptr, x_ptr, w, rows, d_in, d_out, out_f32)
+                self.gemv(y_ptr, x_ptr, w, rows, d_in, d_out, out_f32, k)
             else:
                 self.blas.linear(y_ptr, x_ptr, int(w.gpudata), rows, d_in, d_out, out_f32)
 
-    def gemv(self, y: int, x: int, w: gpuarray.GPUArray, rows: int, d_in: int, d_out: int, out_f32: bool) -> None:
-        """y = x @ w^T by gemv.cu, for up to GEMV_MAX_ROWS rows."""
-        self.kernels.gemv.prepared_async_call((-(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1), self.stream,
+    def gemv(self, y: int, x: int, w: gpuarray.GPUArray, rows: int, d_in: int, d_out: int, out_f32: bool,
+             kernels: Kernels | None = None) -> None:
+        """y = x @ w^T by gemv.cu, for up to GEMV_MAX_ROWS rows (by the plain build unless told)."""
+        (kernels or self.kernels).gemv.prepared_async_call((-(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1), self.stream,
                                               np.uintp(y), np.int32(out_f32), np.uintp(x), _ptr(w),
                                               np.int32(rows), np.int32(d_in), np.int32(d_out))
 
