@@ -1,4 +1,5 @@
-#include "common.cuh"
+#include "activation.cuh"
+#include "rmsnorm.cuh"
 
 // y[r, o] = sum_i x[r, i] * w[o, i] for the first `rows` (at most GEMV_MAX_ROWS) rows
 // of x: a linear layer for decode steps of a few tokens, which must do no more than
@@ -10,11 +11,26 @@
 // (4 KB of the row in flight per warp), and uses them for every row of x. Sums are
 // reduced in a fixed order (lanes, then the warp), so a row's result does not depend
 // on how many rows run with it. d_in must be a multiple of 8.
-// The oracle is numpy's x @ w.T (tests/gpu/test_kernels.py).
+//
+// Three variants take the kernels around a layer's GEMMs into the GEMV, for steps
+// whose GEMMs are all GEMVs (a step of one token), each with the arithmetic of the
+// kernel it replaces, so that they compute bit for bit what the separate kernels do:
+//   gemv_rmsnorm:  x = RMSNorm(residual) (add_rmsnorm without a delta), staged in
+//                  shared memory by the block before the product
+//   gemv_add:      residual += bf16(y) (add_rmsnorm's residual add), instead of storing y
+//   gemv_silu_add: x = silu_and_mul(gate_up), staged likewise; residual += bf16(y)
+// The oracles: numpy's x @ w.T for gemv, and the separate kernels for the variants
+// (tests/gpu/test_kernels.py).
 #define GEMV_MAX_ROWS 8
-#define GEMV_WARPS 4
+#define GEMV_WARPS 8  // 256 threads: the block add_rmsnorm reduces a row over (rmsnorm.cuh)
 #define UNROLL 8
 #define SPAN (32 * 8)  // weights one warp reads with one load per lane
+// At least 3 blocks an SM (24 warps, 96 KB of weights in flight); without the bound
+// ptxas holds gemv_silu_add to 64 registers and spills.
+#define GEMV_BOUNDS __launch_bounds__(GEMV_WARPS * 32, 3)
+
+enum GemvInput { X_GIVEN, X_RMSNORM, X_SILU };
+enum GemvOutput { Y_STORE, Y_ADD_TO_RESIDUAL };  // Y_STORE: float32 if out_f32, else bfloat16
 
 // UNROLL of a lane's 16-byte pieces of a weight row, from column `first` on (zeros past d_in).
 __device__ __forceinline__ void load_weights(uint4* raw, const bf16* __restrict__ w_row, int first, int d_in) {
@@ -25,11 +41,33 @@ __device__ __forceinline__ void load_weights(uint4* raw, const bf16* __restrict_
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
-    void* __restrict__ y, int out_f32,  // [rows, d_out], float32 if out_f32 else bf16
-    const bf16* __restrict__ x,         // [rows, d_in]
-    const bf16* __restrict__ w,         // [d_out, d_in]
-    int rows, int d_in, int d_out) {
+// Writes the block's input rows [rows, d_in] to `staged`: RMSNorm of the residual rows
+// (`src`, float32) with `norm_weight`, or SiLU-and-multiply of the gate_up rows (`src`,
+// bfloat16, width 2 * d_in).
+template <GemvInput IN>
+__device__ __forceinline__ void stage_input(bf16* staged, const void* src, const bf16* __restrict__ norm_weight,
+                                            float eps, int rows, int d_in) {
+    __shared__ float scratch[32];
+    for (int r = 0; r < rows; r++) {
+        bf16* out = staged + (size_t)r * d_in;
+        if constexpr (IN == X_RMSNORM) {
+            float* x = const_cast<float*>(static_cast<const float*>(src)) + (size_t)r * d_in;  // (read only: no delta)
+            const float inv_rms = rsqrtf(block_sum(add_and_sum_squares(x, nullptr, d_in), scratch) / d_in + eps);
+            scale_row(x, norm_weight, out, d_in, inv_rms);
+        } else {
+            const bf16* row = static_cast<const bf16*>(src) + (size_t)r * 2 * d_in;
+#pragma unroll 1
+            for (int i = 8 * threadIdx.x; i < d_in; i += 8 * blockDim.x)
+                *reinterpret_cast<uint4*>(out + i) = silu_and_mul8(row, d_in, i);
+        }
+    }
+}
+
+template <GemvInput IN, GemvOutput OUT>
+__device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, const void* __restrict__ src,
+                                          const bf16* __restrict__ norm_weight, float eps, const bf16* __restrict__ w,
+                                          int rows, int d_in, int d_out) {
+    extern __shared__ __align__(16) bf16 staged[];  // [rows, d_in] when IN is not X_GIVEN
     const int lane = threadIdx.x & 31, o = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const bf16* w_row = w + (size_t)min(o, d_out - 1) * d_in;
     // The weights are no earlier kernel's output: the first loads go out before the
@@ -37,7 +75,13 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     uint4 raw[UNROLL];
     load_weights(raw, w_row, lane * 8, d_in);
     await_previous_kernel();
-    if (o >= d_out) return;  // a whole warp: no block-level sync follows
+    const bf16* x = static_cast<const bf16*>(src);
+    if constexpr (IN != X_GIVEN) {
+        stage_input<IN>(staged, src, norm_weight, eps, rows, d_in);
+        __syncthreads();
+        x = staged;
+    }
+    if (o >= d_out) return;  // a whole warp, after the block's last sync
     float acc[GEMV_MAX_ROWS];
 #pragma unroll
     for (int r = 0; r < GEMV_MAX_ROWS; r++) acc[r] = 0.f;
@@ -53,7 +97,8 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
             for (int r = 0; r < GEMV_MAX_ROWS; r++) {
                 if (r >= rows) break;
                 float xf[8];
-                load_bf16x8(x + (size_t)r * d_in + c, xf);
+                if constexpr (IN == X_GIVEN) load_bf16x8(x + (size_t)r * d_in + c, xf);
+                else unpack_bf16x8(*reinterpret_cast<const uint4*>(x + (size_t)r * d_in + c), xf);
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc[r] += wf[i] * xf[i];
             }
@@ -66,8 +111,35 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
         const float sum = warp_sum(acc[r]);
         if (lane == 0) {
             const size_t i = (size_t)r * d_out + o;
-            if (out_f32) static_cast<float*>(y)[i] = sum;
+            if constexpr (OUT == Y_ADD_TO_RESIDUAL) static_cast<float*>(y)[i] = round_bf16(static_cast<float*>(y)[i] + round_bf16(sum));
+            else if (out_f32) static_cast<float*>(y)[i] = sum;
             else static_cast<bf16*>(y)[i] = to_bf16(sum);
         }
     }
+}
+
+// y = x @ w^T, y float32 if out_f32 else bfloat16
+extern "C" __global__ void GEMV_BOUNDS gemv(void* __restrict__ y, int out_f32, const bf16* __restrict__ x,
+                                            const bf16* __restrict__ w, int rows, int d_in, int d_out) {
+    gemv_rows<X_GIVEN, Y_STORE>(y, out_f32, x, nullptr, 0.f, w, rows, d_in, d_out);
+}
+
+// y = RMSNorm(residual) @ w^T; dynamic shared memory: rows * d_in * 2 bytes
+extern "C" __global__ void GEMV_BOUNDS gemv_rmsnorm(bf16* __restrict__ y, const float* __restrict__ residual,
+                                                    const bf16* __restrict__ norm_weight, float eps,
+                                                    const bf16* __restrict__ w, int rows, int d_in, int d_out) {
+    gemv_rows<X_RMSNORM, Y_STORE>(y, false, residual, norm_weight, eps, w, rows, d_in, d_out);
+}
+
+// residual += x @ w^T
+extern "C" __global__ void GEMV_BOUNDS gemv_add(float* __restrict__ residual, const bf16* __restrict__ x,
+                                                const bf16* __restrict__ w, int rows, int d_in, int d_out) {
+    gemv_rows<X_GIVEN, Y_ADD_TO_RESIDUAL>(residual, false, x, nullptr, 0.f, w, rows, d_in, d_out);
+}
+
+// residual += silu_and_mul(gate_up) @ w^T, gate_up of width 2 * d_in; dynamic shared
+// memory: rows * d_in * 2 bytes
+extern "C" __global__ void GEMV_BOUNDS gemv_silu_add(float* __restrict__ residual, const bf16* __restrict__ gate_up,
+                                                     const bf16* __restrict__ w, int rows, int d_in, int d_out) {
+    gemv_rows<X_SILU, Y_ADD_TO_RESIDUAL>(residual, false, gate_up, nullptr, 0.f, w, rows, d_in, d_out);
 }

@@ -37,8 +37,9 @@ PARTITION = 512  # context positions per attention thread block
 ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS, PREFILL_M_TILE = 128, 64  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
-GEMV_MAX_ROWS, GEMV_WARPS = 8, 4  # as in gemv.cu
+GEMV_MAX_ROWS, GEMV_WARPS = 8, 8  # as in gemv.cu
 GEMV_ROWS = 1  # steps of up to this many rows take our GEMV, not cuBLAS (bench/profile_step.py's gemm table)
+STAGED_INPUT_BYTES = 48 * 1024  # dynamic shared memory a block may take without opting in (gemv.cu's staged input)
 WORKSPACE_BYTES = 32 * 2**20
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
 
@@ -66,6 +67,9 @@ class Kernels:
         "prefill_attention_partial": ("attention.cu", "PPPPPPPiPPPiiiif"),
         "silu_and_mul": ("activation.cu", "PPi"),
         "gemv": ("gemv.cu", "PiPPiii"),
+        "gemv_rmsnorm": ("gemv.cu", "PPPfPiii"),
+        "gemv_add": ("gemv.cu", "PPPiii"),
+        "gemv_silu_add": ("gemv.cu", "PPPiii"),
         "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
         "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
     }
@@ -276,33 +280,76 @@ class CudaBackend:
     def _launch(self, b: StepBuffers, shape: StepShape, k: Kernels) -> None:
         """Queue the whole forward pass for `shape` on the stream (no allocation, no sync)."""
         c, st, m = self.config, self.stream, b.meta_ptr
-        T, S = shape.tokens, shape.samples
-        H, KVH, D, I = c.hidden_size, c.num_kv_heads, c.head_dim, c.intermediate_size
-        eps = np.float32(c.rms_norm_eps)
-        rope_threads = min(1024, (c.num_heads + KVH) * D // 2)
-        tiles = shape.gemm_tiles()
+        T, S, H = shape.tokens, shape.samples, c.hidden_size
         k.embedding_gather.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(self.embed), m["ids"],
                                                _ptr(self.sampled), np.int32(H))
-        has_delta = np.uintp(0)
+        layer_pass = self._fused_layer if self._all_gemv(shape) else self._layer
+        pending = np.uintp(0)  # the last layer's output, where not yet added into the residual
         for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
-            k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), has_delta, _ptr(layer["attn_norm"]),
-                                              _ptr(b.h), m["all_rows"], np.int32(H), eps)
-            self._linear(k, b.qkv, b.h, layer["qkv"], tiles, H, c.q_size + 2 * c.kv_size)
-            k.rope_and_cache.prepared_async_call((T, 1), (rope_threads, 1, 1), st, _ptr(b.qkv), _ptr(kc), _ptr(vc),
-                                                 m["positions"], m["slots"], _ptr(self.inv_freq),
-                                                 np.int32(c.num_heads), np.int32(KVH), np.int32(D))
-            self._attention(k, b, shape, kc, vc)
-            self._linear(k, b.delta, b.attn, layer["o"], tiles, c.q_size, H)
-            k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(b.delta), _ptr(layer["mlp_norm"]),
-                                              _ptr(b.h), m["all_rows"], np.int32(H), eps)
-            self._linear(k, b.gate_up, b.h, layer["gate_up"], tiles, H, 2 * I)
-            k.silu_and_mul.prepared_async_call((-(-I // (8 * 256)), T), (256, 1, 1), st, _ptr(b.act), _ptr(b.gate_up), np.int32(I))
-            self._linear(k, b.delta, b.act, layer["down"], tiles, I, H)
-            has_delta = _ptr(b.delta)
+            pending = layer_pass(k, b, shape, layer, kc, vc, pending)
         if S:
-            k.add_rmsnorm.prepared_async_call((S, 1), (256, 1, 1), st, _ptr(b.residual), has_delta, _ptr(self.final_norm),
-                                              _ptr(b.final), m["sample_rows"], np.int32(H), eps)
+            k.add_rmsnorm.prepared_async_call((S, 1), (256, 1, 1), st, _ptr(b.residual), pending, _ptr(self.final_norm),
+                                              _ptr(b.final), m["sample_rows"], np.int32(H), np.float32(c.rms_norm_eps))
             self._linear(k, b.logits, b.final, self.lm_head, shape.head_tiles(), H, c.vocab_size)
+
+    def _layer(self, k: Kernels, b: StepBuffers, shape: StepShape, layer: dict, kc: gpuarray.GPUArray,
+               vc: gpuarray.GPUArray, pending: np.uintp) -> np.uintp:
+        """One decoder layer; the residual add of its MLP output is left to the next
+        add_rmsnorm (returned: the pending delta)."""
+        c, st, m = self.config, self.stream, b.meta_ptr
+        T, H, I = shape.tokens, c.hidden_size, c.intermediate_size
+        tiles, eps = shape.gemm_tiles(), np.float32(c.rms_norm_eps)
+        k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), pending, _ptr(layer["attn_norm"]),
+                                          _ptr(b.h), m["all_rows"], np.int32(H), eps)
+        self._linear(k, b.qkv, b.h, layer["qkv"], tiles, H, c.q_size + 2 * c.kv_size)
+        self._rope_and_attention(k, b, shape, kc, vc)
+        self._linear(k, b.delta, b.attn, layer["o"], tiles, c.q_size, H)
+        k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(b.delta), _ptr(layer["mlp_norm"]),
+                                          _ptr(b.h), m["all_rows"], np.int32(H), eps)
+        self._linear(k, b.gate_up, b.h, layer["gate_up"], tiles, H, 2 * I)
+        k.silu_and_mul.prepared_async_call((-(-I // (8 * 256)), T), (256, 1, 1), st, _ptr(b.act), _ptr(b.gate_up), np.int32(I))
+        self._linear(k, b.delta, b.act, layer["down"], tiles, I, H)
+        return _ptr(b.delta)
+
+    def _all_gemv(self, shape: StepShape) -> bool:
+        """Whether every GEMM of the step is one GEMV over all its rows, whose input fits
+        the GEMV's shared memory: then the layer's norms, SiLU and residual adds ride in
+        the GEMVs (gemv.cu)."""
+        c = self.config
+        return (not shape.invariant and shape.rows <= GEMV_ROWS
+                and shape.rows * 2 * max(c.hidden_size, c.intermediate_size) <= STAGED_INPUT_BYTES)
+
+    def _fused_layer(self, k: Kernels, b: StepBuffers, shape: StepShape, layer: dict, kc: gpuarray.GPUArray,
+                     vc: gpuarray.GPUArray, pending: np.uintp) -> np.uintp:
+        """One decoder layer in seven kernels where `_layer` takes ten (see _all_gemv): the
+        norms and SiLU are computed by the GEMVs that read them, and each residual add by
+        the GEMV that produces it, so none is pending."""
+        c, rows = self.config, shape.rows
+        H, I, eps = c.hidden_size, c.intermediate_size, np.float32(c.rms_norm_eps)
+        residual = _ptr(b.residual)
+        self._gemv_call(k.gemv_rmsnorm, c.q_size + 2 * c.kv_size, rows * H * 2, _ptr(b.qkv), residual,
+                        _ptr(layer["attn_norm"]), eps, _ptr(layer["qkv"]), np.int32(rows), np.int32(H))
+        self._rope_and_attention(k, b, shape, kc, vc)
+        self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.attn), _ptr(layer["o"]), np.int32(rows), np.int32(c.q_size))
+        self._gemv_call(k.gemv_rmsnorm, 2 * I, rows * H * 2, _ptr(b.gate_up), residual, _ptr(layer["mlp_norm"]), eps,
+                        _ptr(layer["gate_up"]), np.int32(rows), np.int32(H))
+        self._gemv_call(k.gemv_silu_add, H, rows * I * 2, residual, _ptr(b.gate_up), _ptr(layer["down"]),
+                        np.int32(rows), np.int32(I))
+        return np.uintp(0)
+
+    def _gemv_call(self, fn, d_out: int, staged_bytes: int, *args) -> None:
+        """Launch a gemv.cu kernel over d_out outputs; `args` end with rows and d_in."""
+        fn.prepared_async_call((-(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1), self.stream, *args, np.int32(d_out),
+                               shared_size=staged_bytes)
+
+    def _rope_and_attention(self, k: Kernels, b: StepBuffers, shape: StepShape, kc: gpuarray.GPUArray,
+                            vc: gpuarray.GPUArray) -> None:
+        c = self.config
+        k.rope_and_cache.prepared_async_call((shape.tokens, 1), (min(1024, (c.num_heads + c.num_kv_heads) * c.head_dim // 2), 1, 1),
+                                             self.stream, _ptr(b.qkv), _ptr(kc), _ptr(vc), b.meta_ptr["positions"],
+                                             b.meta_ptr["slots"], _ptr(self.inv_freq), np.int32(c.num_heads),
+                                             np.int32(c.num_kv_heads), np.int32(c.head_dim))
+        self._attention(k, b, shape, kc, vc)
 
     def _attention(self, k: Kernels, b: StepBuffers, shape: StepShape, kc: gpuarray.GPUArray, vc: gpuarray.GPUArray) -> None:
         """Partial results per context partition, for decode rows (and the padding between
@@ -357,9 +404,8 @@ class CudaBackend:
     def gemv(self, y: int, x: int, w: gpuarray.GPUArray, rows: int, d_in: int, d_out: int, out_f32: bool,
              kernels: Kernels | None = None) -> None:
         """y = x @ w^T by gemv.cu, for up to GEMV_MAX_ROWS rows (by the plain build unless told)."""
-        (kernels or self.kernels).gemv.prepared_async_call((-(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1), self.stream,
-                                              np.uintp(y), np.int32(out_f32), np.uintp(x), _ptr(w),
-                                              np.int32(rows), np.int32(d_in), np.int32(d_out))
+        self._gemv_call((kernels or self.kernels).gemv, d_out, 0, np.uintp(y), np.int32(out_f32), np.uintp(x), _ptr(w),
+                        np.int32(rows), np.int32(d_in))
 
     def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
         """Logits of the sampling sequences, on the host (for tests and logprobs)."""

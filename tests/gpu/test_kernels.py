@@ -61,8 +61,9 @@ def i32(values) -> gpuarray.GPUArray:
     return gpuarray.to_gpu(np.asarray(values, dtype=np.int32))
 
 
-def launch(fn, grid, block, *args):
-    fn.prepared_call(grid, block, *[a.gpudata if isinstance(a, gpuarray.GPUArray) else a for a in args])
+def launch(fn, grid, block, *args, shared_size: int = 0):
+    fn.prepared_call(grid, block, *[a.gpudata if isinstance(a, gpuarray.GPUArray) else a for a in args],
+                     shared_size=shared_size)
 
 
 @pytest.mark.parametrize("tokens, hidden", [(1, 64), (37, 2048), (5, 576)])
@@ -213,13 +214,73 @@ def test_gemv_matches_numpy_and_each_row_alone(kernels, rows, d_in, d_out, out_f
 
     def gemv(n: int) -> np.ndarray:
         y = gpuarray.to_gpu(np.full((n, d_out), np.nan, np.float32)) if out_f32 else poisoned_bf16((n, d_out))
-        launch(kernels.gemv, (-(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1), y, np.int32(out_f32), xg, wg,
-               np.int32(n), np.int32(d_in), np.int32(d_out))
+        launch(kernels.gemv, *gemv_grid(d_out), y, np.int32(out_f32), xg, wg, np.int32(n), np.int32(d_in), np.int32(d_out))
         return y.get() if out_f32 else bf16_bits_to_f32(y.get())
 
     got = gemv(rows)
     assert rel_l2(got, bf16(x) @ bf16(w).T) < TOL
     assert np.array_equal(gemv(1)[0], got[0])  # a row's sum does not depend on the rows beside it
+
+
+def gemv_grid(d_out: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    return (-(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1)
+
+
+def separate_gemv(kernels, x: gpuarray.GPUArray, w: gpuarray.GPUArray, rows: int, d_in: int, d_out: int) -> gpuarray.GPUArray:
+    y = poisoned_bf16((rows, d_out))
+    launch(kernels.gemv, *gemv_grid(d_out), y, np.int32(0), x, w, np.int32(rows), np.int32(d_in), np.int32(d_out))
+    return y
+
+
+def separate_add(kernels, residual: gpuarray.GPUArray, delta: gpuarray.GPUArray, rows: int, hidden: int) -> None:
+    """residual += delta by add_rmsnorm (its normalised output is dropped)."""
+    launch(kernels.add_rmsnorm, (rows, 1), (256, 1, 1), residual, delta, up_bf16(np.ones(hidden, np.float32)),
+           poisoned_bf16((rows, hidden)), i32(np.arange(rows)), np.int32(hidden), np.float32(1e-5))
+
+
+# The fused GEMVs (gemv.cu) against the kernels they replace, bit for bit.
+@pytest.mark.parametrize("rows, hidden, d_out", [(1, 2048, 3072), (3, 576, 1536), (2, 64, 40)])
+def test_gemv_rmsnorm_equals_add_rmsnorm_then_gemv(kernels, rows, hidden, d_out):
+    residual = bf16(RNG.standard_normal((rows, hidden)).astype(np.float32))
+    norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
+    w = up_bf16(RNG.standard_normal((d_out, hidden)).astype(np.float32) / np.sqrt(hidden))
+    res_gpu = gpuarray.to_gpu(residual)
+    h = poisoned_bf16((rows, hidden))
+    launch(kernels.add_rmsnorm, (rows, 1), (256, 1, 1), res_gpu, np.uintp(0), norm_weight, h, i32(np.arange(rows)),
+           np.int32(hidden), np.float32(1e-5))
+    expected = separate_gemv(kernels, h, w, rows, hidden, d_out).get()
+    y = poisoned_bf16((rows, d_out))
+    launch(kernels.gemv_rmsnorm, *gemv_grid(d_out), y, res_gpu, norm_weight, np.float32(1e-5), w, np.int32(rows),
+           np.int32(hidden), np.int32(d_out), shared_size=rows * hidden * 2)
+    assert np.array_equal(y.get(), expected)
+    assert np.array_equal(res_gpu.get(), residual)  # read, not written
+
+
+@pytest.mark.parametrize("rows, d_in, hidden", [(1, 2048, 2048), (3, 576, 576), (2, 24, 40)])
+def test_gemv_add_equals_gemv_then_residual_add(kernels, rows, d_in, hidden):
+    residual = bf16(RNG.standard_normal((rows, hidden)).astype(np.float32))
+    x = up_bf16(RNG.standard_normal((rows, d_in)).astype(np.float32))
+    w = up_bf16(RNG.standard_normal((hidden, d_in)).astype(np.float32) / np.sqrt(d_in))
+    expected = gpuarray.to_gpu(residual)
+    separate_add(kernels, expected, separate_gemv(kernels, x, w, rows, d_in, hidden), rows, hidden)
+    got = gpuarray.to_gpu(residual)
+    launch(kernels.gemv_add, *gemv_grid(hidden), got, x, w, np.int32(rows), np.int32(d_in), np.int32(hidden))
+    assert np.array_equal(got.get(), expected.get())
+
+
+@pytest.mark.parametrize("rows, inter, hidden", [(1, 8192, 2048), (3, 8192, 2048), (2, 1536, 576)])
+def test_gemv_silu_add_equals_silu_then_gemv_then_residual_add(kernels, rows, inter, hidden):
+    residual = bf16(RNG.standard_normal((rows, hidden)).astype(np.float32))
+    gate_up = up_bf16(RNG.standard_normal((rows, 2 * inter)).astype(np.float32) * 3)
+    w = up_bf16(RNG.standard_normal((hidden, inter)).astype(np.float32) / np.sqrt(inter))
+    act = poisoned_bf16((rows, inter))
+    launch(kernels.silu_and_mul, (-(-inter // (8 * 256)), rows), (256, 1, 1), act, gate_up, np.int32(inter))
+    expected = gpuarray.to_gpu(residual)
+    separate_add(kernels, expected, separate_gemv(kernels, act, w, rows, inter, hidden), rows, hidden)
+    got = gpuarray.to_gpu(residual)
+    launch(kernels.gemv_silu_add, *gemv_grid(hidden), got, gate_up, w, np.int32(rows), np.int32(inter), np.int32(hidden),
+           shared_size=rows * inter * 2)
+    assert np.array_equal(got.get(), expected.get())
 
 
 def sample_gpu(kernels, logits: np.ndarray, params: list[SamplingParams], seeds, steps) -> np.ndarray:
