@@ -377,27 +377,26 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_
 }
 
 // out[t, h, :] = sum_p acc_p * exp(max_p - M) / sum_p sum_p * exp(max_p - M), M = max_p max_p,
-// over the partitions p that hold positions (max_p > -inf; the others' acc and sum were
-// never written). grid: (tokens, heads); block: HEAD_DIM.
-// A partition's loads do not wait on its max: an empty one is read and then dropped
-// by a select, not skipped by a branch, so that several partitions' loads are in
-// flight at once (the sums and their order are those of the skipping loop).
+// over the partitions that hold token t's positions 0..positions[t]: the first
+// positions[t] / partition + 1. Only those are read (pass 1 left the others empty): a
+// CUDA graph launches for its longest context (8 partitions at 4,096), and most
+// tokens span one or two. grid: (tokens, heads); block: HEAD_DIM.
 extern "C" __global__ void paged_attention_merge(bf16* __restrict__ out, const float* __restrict__ part_acc,
                                                  const float* __restrict__ part_max,
-                                                 const float* __restrict__ part_sum, int partitions) {
+                                                 const float* __restrict__ part_sum, const int* __restrict__ positions,
+                                                 int partition, int partitions) {
     await_previous_kernel();
     const int t = blockIdx.x, h = blockIdx.y, heads = gridDim.y, d = threadIdx.x;
+    const int spanned = min(partitions, positions[t] / partition + 1);
     const size_t base = ((size_t)t * heads + h) * partitions;
     float m = -INFINITY;
-    for (int p = 0; p < partitions; p++) m = fmaxf(m, part_max[base + p]);
+    for (int p = 0; p < spanned; p++) m = fmaxf(m, part_max[base + p]);
     float num = 0.f, den = 0.f;
 #pragma unroll 4
-    for (int p = 0; p < partitions; p++) {
-        const float mp = part_max[base + p], acc = part_acc[(base + p) * HEAD_DIM + d], sum = part_sum[base + p];
-        const bool held = mp != -INFINITY;
-        const float w = __expf(mp - m);
-        num = held ? num + w * acc : num;
-        den = held ? den + w * sum : den;
+    for (int p = 0; p < spanned; p++) {
+        const float w = __expf(part_max[base + p] - m);
+        num += w * part_acc[(base + p) * HEAD_DIM + d];
+        den += w * part_sum[base + p];
     }
     out[((size_t)t * heads + h) * HEAD_DIM + d] = to_bf16(num / den);
 }

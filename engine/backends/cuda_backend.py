@@ -63,7 +63,7 @@ class Kernels:
         "add_rmsnorm": ("rmsnorm.cu", "PPPPPif"),
         "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
         "paged_attention_partial": ("attention.cu", "PPPPPPPiPPiiiif"),
-        "paged_attention_merge": ("attention.cu", "PPPPi"),
+        "paged_attention_merge": ("attention.cu", "PPPPPii"),
         "prefill_attention_partial": ("attention.cu", "PPPPPPPiPPPiiiif"),
         "silu_and_mul": ("activation.cu", "PPi"),
         "gemv": ("gemv.cu", "PiPPiii"),
@@ -368,8 +368,8 @@ class CudaBackend:
             k.prefill_attention_partial.prepared_async_call((shape.prompt_tiles, *grid), (PREFILL_THREADS, 1, 1), st,
                                                             *partials, m["prompt_tiles"], *sizes)
         k.paged_attention_merge.prepared_async_call((shape.tokens, c.num_heads), (c.head_dim, 1, 1), st, _ptr(b.attn),
-                                                    _ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum),
-                                                    np.int32(shape.partitions))
+                                                    _ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum), m["positions"],
+                                                    np.int32(PARTITION), np.int32(shape.partitions))
 
     def _forward(self, batch: list[ScheduledSeq]) -> gpuarray.GPUArray:
         """Run the step's tokens; return float32 logits [sampling sequences, vocab] on the GPU."""

@@ -167,7 +167,14 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size):
         tiles = [(r, min(rows, end - r)) for start, end in zip(starts, starts[1:]) for r in range(start, end, rows)]
         launch(kernels.prefill_attention_partial, (len(tiles), kv_heads, partitions), (PREFILL_THREADS, 1, 1), *partials,
                i32(np.ravel(tiles)), *sizes)
-    launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, np.int32(partitions))
+    # what pass 1 left in the partitions past each token's context is never read: poison it
+    spanned = positions // PARTITION + 1
+    for a in (part_acc, part_max, part_sum):
+        host = a.get()
+        host[np.arange(partitions)[None, :] >= spanned[:, None]] = np.nan
+        a.set(host)
+    launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, i32(positions),
+           np.int32(PARTITION), np.int32(partitions))
     got = down_bf16(out)
     q = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     start = 0
