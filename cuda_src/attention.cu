@@ -106,14 +106,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int begin = part * partition, end = min(positions[t] + 1, begin + partition);
     const int* table = block_tables + (size_t)token_seq[t] * max_blocks;
-    if (begin >= end) {  // a partition past the context adds nothing
-        for (int h = threadIdx.x; h < GROUP; h += blockDim.x) {
-            const size_t part_idx = ((size_t)t * heads + kvh * GROUP + h) * gridDim.z + part;
-            part_max[part_idx] = -INFINITY;
-            part_sum[part_idx] = 0.f;
-        }
-        return;
-    }
+    if (begin >= end) return;  // a partition past the context: the merge does not read it
     const int first_block = begin / block_size;
     for (int i = threadIdx.x; i <= (end - 1) / block_size - first_block; i += blockDim.x)
         blocks_s[i] = table[first_block + i];
@@ -218,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
         const size_t part_idx = ((size_t)t * heads + kvh * GROUP + h) * gridDim.z + part;
         part_acc[part_idx * HEAD_DIM + d] = acc;
         if (d == 0) {
-            part_max[part_idx] = m;  // -inf for a partition past the context: it adds nothing
+            part_max[part_idx] = m;
             part_sum[part_idx] = l;
         }
     }
@@ -370,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_
             *reinterpret_cast<float2*>(part_acc + part_idx * HEAD_DIM + j * 8 + 2 * quad) =
                 make_float2(o[j][2 * i], o[j][2 * i + 1]);
         if (quad == 0) {
-            part_max[part_idx] = m_run[i];  // -inf where the partition is past this row's position
+            part_max[part_idx] = m_run[i];  // (-inf past this row's position: the merge does not read it)
             part_sum[part_idx] = l;
         }
     }
