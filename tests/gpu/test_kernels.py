@@ -168,10 +168,11 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size):
         launch(kernels.prefill_attention_partial, (len(tiles), kv_heads, partitions), (PREFILL_THREADS, 1, 1), *partials,
                i32(np.ravel(tiles)), *sizes)
     # what pass 1 left in the partitions past each token's context is never read: poison it
-    spanned = positions // PARTITION + 1
+    unspanned = np.arange(partitions)[None, None, :] >= (positions // PARTITION + 1)[:, None, None]
+    unspanned = np.broadcast_to(unspanned, (tokens, heads, partitions))
     for a in (part_acc, part_max, part_sum):
         host = a.get()
-        host[np.arange(partitions)[None, :] >= spanned[:, None]] = np.nan
+        host[unspanned] = np.nan
         a.set(host)
     launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, i32(positions),
            np.int32(PARTITION), np.int32(partitions))
