@@ -52,7 +52,7 @@ class EmulatedBackend:
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return 1
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
         pass
 
     def execute(self, batch):

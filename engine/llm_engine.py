@@ -90,7 +90,7 @@ class LLMEngine:
         self.config = config
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        backend.allocate_kv_cache(config.num_kv_blocks, config.block_size)
+        backend.allocate_kv_cache(config.num_kv_blocks, config.block_size, config.max_num_seqs)
         cache_tokens = config.num_kv_blocks * config.block_size
         max_model_len = min(model.config.max_position_embeddings, cache_tokens, config.max_model_len or cache_tokens)
         self.info = EngineInfo(model.name, model.config, model.tokenizer, backend.name, max_model_len,

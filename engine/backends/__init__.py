@@ -2,7 +2,8 @@
 
     backend.name                                    "numpy" or "cuda"
     backend.kv_cache_bytes_per_block(block_size)    to size the cache
-    backend.allocate_kv_cache(num_blocks, block_size)
+    backend.allocate_kv_cache(num_blocks, block_size, max_batch)
+                                                    max_batch: the most sequences a step holds
     backend.launch(batch) -> wait                   queue the step (a GPU returns at once);
                                                     wait() -> [SampleOutput | None for each
                                                     scheduled sequence]

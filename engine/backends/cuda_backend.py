@@ -10,9 +10,11 @@ returns, so that the engine's host work overlaps the GPU's.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -89,44 +91,58 @@ class Kernels:
 
 
 class StepBuffers:
-    """Device memory for one step of a given shape: int32 metadata, then activations."""
+    """Device memory for one step of a given shape: int32 metadata, then activations.
+    With `within`, views of the leading rows of its buffers instead, for a step of fewer
+    rows and as many partitions: CUDA graphs run one at a time on one stream, so all of
+    them share the buffers of the largest."""
 
-    def __init__(self, c: ModelConfig, shape: StepShape, empty):
-        T, P = shape.tokens, shape.partitions
+    def __init__(self, c: ModelConfig, shape: StepShape, empty=None, within: StepBuffers | None = None):
+        T, P, rows, sample_rows = shape.tokens, shape.partitions, shape.rows, max(1, shape.head_rows)
         sizes = field_sizes(shape)
-        self.meta = empty((sum(sizes),), np.int32)
+        layout = {
+            "meta": ((sum(sizes),), np.int32),
+            "residual": ((T, c.hidden_size), np.float32),
+            "h": ((rows, c.hidden_size), np.uint16),
+            "qkv": ((rows, c.q_size + 2 * c.kv_size), np.uint16),
+            "attn": ((rows, c.q_size), np.uint16),
+            "delta": ((rows, c.hidden_size), np.uint16),
+            "gate_up": ((rows, 2 * c.intermediate_size), np.uint16),
+            "act": ((rows, c.intermediate_size), np.uint16),
+            "part_acc": ((T, c.num_heads, P, c.head_dim), np.float32),
+            "part_max": ((T, c.num_heads, P), np.float32),
+            "part_sum": ((T, c.num_heads, P), np.float32),
+            "final": ((sample_rows, c.hidden_size), np.uint16),
+            "logits": ((sample_rows, c.vocab_size), np.float32),
+        }
+        for name, (dims, dtype) in layout.items():
+            setattr(self, name, empty(dims, dtype) if within is None else getattr(within, name)[: dims[0]])
         offsets = np.cumsum([0] + sizes)
         self.meta_ptr = {name: np.uintp(int(self.meta.gpudata) + 4 * int(o)) for name, o in zip(FIELDS, offsets)}
-        rows, sample_rows = shape.rows, max(1, shape.head_rows)
-        self.residual = empty((T, c.hidden_size), np.float32)
-        self.h = empty((rows, c.hidden_size), np.uint16)
-        self.qkv = empty((rows, c.q_size + 2 * c.kv_size), np.uint16)
-        self.attn = empty((rows, c.q_size), np.uint16)
-        self.delta = empty((rows, c.hidden_size), np.uint16)
-        self.gate_up = empty((rows, 2 * c.intermediate_size), np.uint16)
-        self.act = empty((rows, c.intermediate_size), np.uint16)
-        self.part_acc = empty((T, c.num_heads, P, c.head_dim), np.float32)
-        self.part_max = empty((T, c.num_heads, P), np.float32)
-        self.part_sum = empty((T, c.num_heads, P), np.float32)
-        self.final = empty((sample_rows, c.hidden_size), np.uint16)
-        self.logits = empty((sample_rows, c.vocab_size), np.float32)
 
 
 class DecodeGraphs:
     """One captured decode step per batch-size bucket, for batches of single-token
     decodes (of generated tokens: prompt tokens take other GEMM tiles) whose contexts
-    fit `max_context`; padding rows use the dummy KV block.
+    fit `max_context`; padding rows use the dummy KV block. The buckets are vLLM's
+    (1, 2, 4, then every multiple of 8), so that a batch pads to at most 7 rows more;
+    all are captured up front, and share one set of buffers.
     Replays run the same kernels as eager steps, over the bucket's rows: with batch
     invariance on they compute exactly what eager steps do."""
 
     def __init__(self, backend: "CudaBackend", max_batch: int, max_context: int):
         self.backend = backend
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_batch] + [max_batch]
+        self.buckets = sorted({b for b in (1, 2, 4) if b < max_batch} | set(range(8, max_batch, 8)) | {max_batch})
         self.max_blocks = -(-max_context // backend.block_size)
         self.max_context = self.max_blocks * backend.block_size
-        self.graphs: dict[int, tuple[StepShape, StepBuffers, CudaGraph]] = {}
         self.replays = 0
         self.kernels = Kernels(*backend.kernel_build, programmatic=True)
+        start = time.perf_counter()
+        largest = self._shape(self.buckets[-1])
+        shared = StepBuffers(backend.config, largest, lambda dims, dtype: gpuarray.empty(dims, dtype))
+        self.graphs: dict[int, tuple[StepShape, StepBuffers, CudaGraph]] = {
+            size: self._capture(self._shape(size), shared) for size in self.buckets}
+        log.info("captured %d CUDA graphs for decode batches of 1 to %d in %.2f s (%d programmatic launches each)",
+                 len(self.buckets), max_batch, time.perf_counter() - start, self.graphs[1][2].programmatic_edges)
 
     def for_batch(self, batch: list[ScheduledSeq]):
         if len(batch) > self.buckets[-1]:
@@ -135,23 +151,20 @@ class DecodeGraphs:
             return None
         if max(s.start + 1 for s in batch) > self.max_context:
             return None
-        size = next(b for b in self.buckets if b >= len(batch))
-        if size not in self.graphs:
-            self.graphs[size] = self._capture(size)
         self.replays += 1
-        return self.graphs[size]
+        return self.graphs[self.buckets[bisect.bisect_left(self.buckets, len(batch))]]
 
-    def _capture(self, size: int):
+    def _shape(self, size: int) -> StepShape:
+        return decode_shape(size, self.max_blocks, math.ceil(self.max_context / PARTITION), self.backend.batch_invariant)
+
+    def _capture(self, shape: StepShape, shared: StepBuffers):
         be = self.backend
-        shape = decode_shape(size, self.max_blocks, math.ceil(self.max_context / PARTITION), be.batch_invariant)
-        buffers = StepBuffers(be.config, shape, lambda sh, dt: gpuarray.empty(sh, dt))
+        buffers = StepBuffers(be.config, shape, within=shared)
         buffers.meta.set(be._metadata([], shape))  # all padding: valid to run
         be._launch(buffers, shape, self.kernels)  # once eagerly, so cuBLAS settles its choices outside the capture
         be.stream.synchronize()
         graph = CudaGraph(be.stream.handle, lambda: be._launch(buffers, shape, self.kernels),
                           awaiting_kernels=Kernels.SIGNATURES)
-        log.info("captured a CUDA graph for decode batches of up to %d (%d programmatic launches)", size,
-                 graph.programmatic_edges)
         return shape, buffers, graph
 
     def close(self) -> None:
@@ -239,7 +252,8 @@ class CudaBackend:
         budget = free - (1.0 - fraction) * total - ACTIVATION_RESERVE_BYTES
         return max(1, int(budget // self.kv_cache_bytes_per_block(block_size)))
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
+        """The cache, and the CUDA graphs for decode steps of up to `max_batch` sequences."""
         if PARTITION // block_size + 2 > MAX_PART_BLOCKS:
             raise ValueError(f"block size {block_size} is too small for the attention kernel: use at least "
                              f"{-(-PARTITION // (MAX_PART_BLOCKS - 2))}")
@@ -255,12 +269,12 @@ class CudaBackend:
             self.sampled = gpuarray.empty(num_blocks, np.int32)
             self._step_slots = [(cuda.pagelocked_empty(num_blocks, np.int32), cuda.Event()) for _ in range(2)]
         self.block_size, self.dummy_block = block_size, num_blocks
-        enabled, max_batch, max_context = self._graph_settings
-        if enabled:
-            with self._context():  # (compiles the kernels' build for graphs)
-                self.graphs = DecodeGraphs(self, max_batch, max_context)
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, block_size,
                  num_blocks * block_size, num_blocks * self.kv_cache_bytes_per_block(block_size) / 1e9)
+        enabled, graph_max_batch, max_context = self._graph_settings
+        if enabled:
+            with self._context():  # (compiles the kernels' build for graphs and captures them)
+                self.graphs = DecodeGraphs(self, min(graph_max_batch, max_batch), max_context)
 
     def is_fatal(self, error: BaseException) -> bool:
         """A driver or cuBLAS error may leave the context unusable: stop serving."""

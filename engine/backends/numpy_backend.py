@@ -98,7 +98,7 @@ class NumpyBackend:
         c = self.config
         return 2 * c.num_layers * block_size * c.kv_size * 4
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
         c = self.config
         shape = (num_blocks * block_size, c.num_kv_heads, c.head_dim)
         self.block_size = block_size
