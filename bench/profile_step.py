@@ -3,7 +3,8 @@ every launch and GEMM of an eager step): a 1024-token prefill, a decode step at 
 with a 200-token context and one at batch 256 with ~850-token contexts; then, with CUDA
 graphs, the wall time of a batch-1 engine step beside the GPU time of its graph replay;
 and the bandwidth cuBLAS (and our GEMV, at up to 8 rows) reaches on each weight matrix
-at 1 to 256 rows. Llama 3.2 1B shape, bfloat16, random weights.
+at 1 to 256 rows; the GEMV also as a decode graph runs it, back to back with
+programmatic launches (`graph`). Llama 3.2 1B shape, bfloat16, random weights.
 
     python bench/profile_step.py      # on a machine with an NVIDIA GPU
 """
@@ -23,6 +24,7 @@ import pycuda.gpuarray as gpuarray
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.backends.cuda_backend import GEMV_MAX_ROWS, GEMV_ROWS, CudaBackend, Kernels  # noqa: E402
+from engine.backends.cuda_graph import CudaGraph  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -101,36 +103,47 @@ def graph_step_times(model) -> None:
 
 def gemm_table(backend: CudaBackend) -> None:
     """Time of one product per weight matrix and row count, and the weight bytes it
-    reads per second: cuBLAS, and our GEMV (the backend takes it up to GEMV_ROWS rows)."""
+    reads per second: cuBLAS, and our GEMV (the backend takes it up to GEMV_ROWS rows),
+    launched one by one and, as in a decode graph, back to back with programmatic launches."""
     c = backend.config
     matrices = {"qkv": (backend.layers[0]["qkv"], c.hidden_size), "o": (backend.layers[0]["o"], c.q_size),
                 "gate_up": (backend.layers[0]["gate_up"], c.hidden_size), "down": (backend.layers[0]["down"], c.intermediate_size),
                 "lm_head": (backend.lm_head, c.hidden_size)}
+    repeats = 20
     print(f"\nGEMM, microseconds (weight TB/s); the backend uses gemv up to {GEMV_ROWS} rows")
     print(f"{'rows':>5} {'by':>6} | " + " | ".join(f"{name:>16}" for name in matrices))
     with backend._context():
+        graph_kernels = Kernels(*backend.kernel_build, programmatic=True)
         x = gpuarray.zeros((256, c.intermediate_size), np.uint16)
         outputs = {False: gpuarray.zeros((256, c.vocab_size), np.uint16), True: gpuarray.zeros((256, c.vocab_size), np.float32)}
         for rows in (1, 2, 4, 8, 16, 64, 128, 256):
-            for by in ("cuBLAS", "gemv") if rows <= GEMV_MAX_ROWS else ("cuBLAS",):
+            for by in ("cuBLAS", "gemv", "graph") if rows <= GEMV_MAX_ROWS else ("cuBLAS",):
                 cells = []
                 for name, (w, d_in) in matrices.items():
                     d_out, y = w.size // d_in, outputs[name == "lm_head"]
 
-                    def product():
-                        if by == "gemv":
-                            backend.gemv(int(y.gpudata), int(x.gpudata), w, rows, d_in, d_out, name == "lm_head")
-                        else:
+                    def product(kernels: Kernels = backend.kernels):
+                        if by == "cuBLAS":
                             backend.blas.linear(int(y.gpudata), int(x.gpudata), int(w.gpudata), rows, d_in, d_out, name == "lm_head")
-                    for _ in range(3):
-                        product()
+                        else:
+                            backend.gemv(int(y.gpudata), int(x.gpudata), w, rows, d_in, d_out, name == "lm_head", kernels)
+                    if by == "graph":
+                        graph = CudaGraph(backend.stream.handle, lambda: [product(graph_kernels) for _ in range(repeats)],
+                                          awaiting_kernels=Kernels.SIGNATURES)
+                        run = graph.launch
+                    else:
+                        def run():
+                            for _ in range(repeats):
+                                product()
+                    run()
                     start, end = cuda.Event(), cuda.Event()
                     start.record(backend.stream)
-                    for _ in range(20):
-                        product()
+                    run()
                     end.record(backend.stream)
                     end.synchronize()
-                    ms = end.time_since(start) / 20
+                    if by == "graph":
+                        graph.close()
+                    ms = end.time_since(start) / repeats
                     cells.append(f"{ms * 1e3:7.1f} ({w.nbytes / ms / 1e9:4.2f})")
                 print(f"{rows:>5} {by:>6} | " + " | ".join(f"{cell:>16}" for cell in cells))
 
