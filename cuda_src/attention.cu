@@ -36,6 +36,26 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// 16 bytes from global to shared memory without passing through registers (cp.async,
+// sm_80 and later), or 16 zero bytes where `valid` is false.
+__device__ __forceinline__ void copy16_async(void* smem, const void* gmem, bool valid) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Wait until at most `pending` of this thread's commit groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(pending)); }
+
+// Four 8x8 bfloat16 matrices from shared memory, transposed: lanes 8i..8i+7 give the row
+// addresses of matrix i, and register i gets this lane's fragment of it (ldmatrix.trans).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
 // Pass 1 for generated tokens (decode): grid (tokens, kv_heads, partitions), WARPS
 // warps. The GROUP query heads of one token are rows 0..GROUP-1 of a 16-row A tile
 // (the other rows hold nothing useful and are never written out), so one mma serves
@@ -222,8 +242,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 // accumulate), FlashAttention-2 style. A block takes a query tile of up to Q_POS
 // consecutive positions of one sequence with all GROUP query heads of its KV head:
 // M_TILE rows (position-major: row m is position m / GROUP, head m % GROUP), 16 per
-// warp. It walks the partition's context in KV_TILE-position tiles staged in shared
-// memory (V transposed, so that both products read 32-bit pairs), computes
+// warp. It walks the partition's context in KV_TILE-position tiles that cp.async
+// copies into shared memory, the next tile's copy in flight while this one is used
+// (two buffers); P V reads V's fragments with ldmatrix.trans. It computes
 // S = Q K^T * scale, masks positions past the partition's end and the row's own
 // position, keeps an online softmax per row and accumulates O += P V with P rounded
 // to bfloat16 (as transformers' eager attention rounds its probabilities).
@@ -234,20 +255,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 #define PREFILL_THREADS 128            // 4 warps
 #define M_TILE 64                      // (position, head) rows per block: 16 per warp
 #define Q_POS (M_TILE / GROUP)         // query positions per tile (as the host's prefill_query_rows)
-#define KV_TILE 64
+#define KV_TILE (HEAD_DIM == 128 ? 32 : 64)  // two buffers of K and V fit 48 KB of shared memory
 #define PAD 8                          // bf16 of padding per shared row: conflict-free fragment reads
+#define PREFILL_MIN_BLOCKS (HEAD_DIM == 128 ? 3 : 4)  // blocks an SM holds (registers): as many as before the pipelined copies
 #define DIM_BLOCKS (HEAD_DIM / 8)      // n8 blocks of the output
 #define POS_BLOCKS (KV_TILE / 8)       // n8 blocks of the scores
 
-extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_partial(
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS) prefill_attention_partial(
     float* __restrict__ part_acc, float* __restrict__ part_max, float* __restrict__ part_sum,  // as above
     const bf16* __restrict__ qkv, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ token_seq,
     const int* __restrict__ positions, const int* __restrict__ tiles,
     int heads, int kv_heads, int block_size, int partition, float scale) {
     await_previous_kernel();
-    __shared__ __align__(16) bf16 k_s[KV_TILE][HEAD_DIM + PAD];   // [position][dim]
-    __shared__ __align__(16) bf16 vt_s[HEAD_DIM][KV_TILE + PAD];  // [dim][position]
+    __shared__ __align__(16) bf16 k_s[2][KV_TILE][HEAD_DIM + PAD];  // [buffer][position][dim]
+    __shared__ __align__(16) bf16 v_s[2][KV_TILE][HEAD_DIM + PAD];
     const int kvh = blockIdx.y, part = blockIdx.z, first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group_id = lane >> 2, quad = lane & 3;
     const int begin = part * partition, end = min(positions[first + rows - 1] + 1, begin + partition);
@@ -279,23 +301,26 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_
     for (int j = 0; j < DIM_BLOCKS; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l: this lane's share of the row
 
-    for (int tile = begin; tile < end; tile += KV_TILE) {
-        __syncthreads();  // the previous tile is consumed
+    // Copies tile `tile`'s K and V rows into buffer `buf`, zeros past the end (one commit group).
+    auto stage = [&](int buf, int tile) {
         for (int e = threadIdx.x; e < KV_TILE * HEAD_DIM / 8; e += PREFILL_THREADS) {
             const int j = e / (HEAD_DIM / 8), d = e % (HEAD_DIM / 8) * 8, p = tile + j;
-            uint4 k = make_uint4(0, 0, 0, 0), v = k;
-            if (p < end) {
-                const size_t slot = (size_t)table[p / block_size] * block_size + p % block_size;
-                const size_t idx = (slot * kv_heads + kvh) * HEAD_DIM + d;
-                k = __ldg(reinterpret_cast<const uint4*>(k_cache + idx));
-                v = __ldg(reinterpret_cast<const uint4*>(v_cache + idx));
-            }
-            *reinterpret_cast<uint4*>(&k_s[j][d]) = k;
-            const bf16* vb = reinterpret_cast<const bf16*>(&v);
-#pragma unroll
-            for (int i = 0; i < 8; i++) vt_s[d + i][j] = vb[i];
+            size_t idx = 0;
+            if (p < end) idx = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * HEAD_DIM + d;
+            copy16_async(&k_s[buf][j][d], k_cache + idx, p < end);
+            copy16_async(&v_s[buf][j][d], v_cache + idx, p < end);
         }
-        __syncthreads();
+        copy_commit();
+    };
+    if (begin < end) stage(0, begin);
+    for (int tile = begin, buf = 0; tile < end; tile += KV_TILE, buf ^= 1) {
+        if (tile + KV_TILE < end) {
+            stage(buf ^ 1, tile + KV_TILE);
+            copy_wait<1>();  // this tile's group is done (the next one may still be in flight)
+        } else {
+            copy_wait<0>();
+        }
+        __syncthreads();  // every thread's copies of this tile are visible
 
         float s[POS_BLOCKS][4];  // C fragments: {row, cols 2q, 2q+1}, {row + 8, cols 2q, 2q+1}
 #pragma unroll
@@ -303,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_
             s[jb][0] = s[jb][1] = s[jb][2] = s[jb][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-                const bf16* k_row = &k_s[jb * 8 + group_id][kk * 16 + 2 * quad];
+                const bf16* k_row = &k_s[buf][jb * 8 + group_id][kk * 16 + 2 * quad];
                 mma_bf16(s[jb], q[kk], *reinterpret_cast<const uint32_t*>(k_row),
                          *reinterpret_cast<const uint32_t*>(k_row + 8));
             }
@@ -345,12 +370,17 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attention_
                 }
             const uint32_t a[4] = {pack_bf16(p[0][0], p[0][1]), pack_bf16(p[0][2], p[0][3]),
                                    pack_bf16(p[1][0], p[1][1]), pack_bf16(p[1][2], p[1][3])};
+            // V's B fragments for dim blocks j and j + 1: lanes 0-15 address positions kk * 16 + 0..15
+            // at dims j * 8.., lanes 16-31 the same positions at dims (j + 1) * 8..
 #pragma unroll
-            for (int j = 0; j < DIM_BLOCKS; j++) {
-                const bf16* v_col = &vt_s[j * 8 + group_id][kk * 16 + 2 * quad];
-                mma_bf16(o[j], a, *reinterpret_cast<const uint32_t*>(v_col), *reinterpret_cast<const uint32_t*>(v_col + 8));
+            for (int j = 0; j < DIM_BLOCKS; j += 2) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, &v_s[buf][kk * 16 + (lane & 15)][(j + (lane >> 4)) * 8]);
+                mma_bf16(o[j], a, b[0], b[1]);
+                mma_bf16(o[j + 1], a, b[2], b[3]);
             }
         }
+        __syncthreads();  // every warp is done with this buffer before the next tile but one is copied into it
     }
 #pragma unroll
     for (int i = 0; i < 2; i++) {
