@@ -6,11 +6,15 @@
 // read w once. cuBLAS leaves bandwidth unused on some of these shapes
 // (bench/profile_step.py's gemm table has both).
 //
-// grid: ceil(d_out / GEMV_WARPS); block: GEMV_WARPS warps, one output row each. A
-// lane reads 8 consecutive weights with one 16-byte load, UNROLL loads at a time
-// (4 KB of the row in flight per warp), and uses them for every row of x. Sums are
-// reduced in a fixed order (lanes, then the warp), so a row's result does not depend
-// on how many rows run with it. d_in must be a multiple of 8.
+// grid: any number of blocks of GEMV_WARPS warps; warp w of the grid computes output
+// rows w, w + (warps in the grid), ... The host launches as many blocks as are
+// resident at once, so that the weights stream without waves of blocks ending and
+// starting: a warp issues the first loads of its next row before it reduces and
+// stores the one it has. A lane reads 8 consecutive weights with one 16-byte load,
+// UNROLL loads at a time (4 KB of a row in flight per warp), and uses them for every
+// row of x. Sums are reduced in a fixed order (lanes, then the warp), so a row's
+// result depends neither on the rows of x beside it nor on the grid. d_in must be a
+// multiple of 8.
 //
 // Three variants take the kernels around a layer's GEMMs into the GEMV, for steps
 // whose GEMMs are all GEMVs (a step of one token), each with the arithmetic of the
@@ -63,29 +67,11 @@ __device__ __forceinline__ void stage_input(bf16* staged, const void* src, const
     }
 }
 
-template <GemvInput IN, GemvOutput OUT>
-__device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, const void* __restrict__ src,
-                                          const bf16* __restrict__ norm_weight, float eps, const bf16* __restrict__ w,
-                                          int rows, int d_in, int d_out) {
-    extern __shared__ __align__(16) bf16 staged[];  // [rows, d_in] when IN is not X_GIVEN
-    const int lane = threadIdx.x & 31, o = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    const bf16* w_row = w + (size_t)min(o, d_out - 1) * d_in;
-    // The weights are no earlier kernel's output: the first loads go out before the
-    // wait for the previous kernel, and overlap its tail.
-    uint4 raw[UNROLL];
-    load_weights(raw, w_row, lane * 8, d_in);
-    await_previous_kernel();
-    const bf16* x = static_cast<const bf16*>(src);
-    if constexpr (IN != X_GIVEN) {
-        stage_input<IN>(staged, src, norm_weight, eps, rows, d_in);
-        __syncthreads();
-        x = staged;
-    }
-    if (o >= d_out) return;  // a whole warp, after the block's last sync
-    float acc[GEMV_MAX_ROWS];
-#pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; r++) acc[r] = 0.f;
-
+// acc[r] += this lane's share of x[r] . w_row, with the row's first UNROLL pieces
+// already in raw; leaves the first pieces of next_row (if any) in raw.
+template <GemvInput IN>
+__device__ __forceinline__ void gemv_row(float* acc, uint4* raw, const bf16* x, const bf16* __restrict__ w_row,
+                                         const bf16* __restrict__ next_row, int lane, int rows, int d_in) {
     for (int base = lane * 8; base < d_in; base += SPAN * UNROLL) {
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
@@ -103,17 +89,46 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
                 for (int i = 0; i < 8; i++) acc[r] += wf[i] * xf[i];
             }
         }
-        load_weights(raw, w_row, base + SPAN * UNROLL, d_in);
+        const int next = base + SPAN * UNROLL;
+        if (next < d_in) load_weights(raw, w_row, next, d_in);
+        else if (next_row) load_weights(raw, next_row, lane * 8, d_in);
     }
+}
+
+template <GemvInput IN, GemvOutput OUT>
+__device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, const void* __restrict__ src,
+                                          const bf16* __restrict__ norm_weight, float eps, const bf16* __restrict__ w,
+                                          int rows, int d_in, int d_out) {
+    extern __shared__ __align__(16) bf16 staged[];  // [rows, d_in] when IN is not X_GIVEN
+    const int lane = threadIdx.x & 31, stride = gridDim.x * GEMV_WARPS;
+    int o = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    // The weights are no earlier kernel's output: the first loads go out before the
+    // wait for the previous kernel, and overlap its tail.
+    uint4 raw[UNROLL];
+    load_weights(raw, w + (size_t)min(o, d_out - 1) * d_in, lane * 8, d_in);
+    await_previous_kernel();
+    const bf16* x = static_cast<const bf16*>(src);
+    if constexpr (IN != X_GIVEN) {
+        stage_input<IN>(staged, src, norm_weight, eps, rows, d_in);
+        __syncthreads();
+        x = staged;
+    }
+    for (; o < d_out; o += stride) {  // (whole warps: no block-level sync below)
+        const bf16* w_row = w + (size_t)o * d_in;
+        float acc[GEMV_MAX_ROWS];
 #pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; r++) {
-        if (r >= rows) break;
-        const float sum = warp_sum(acc[r]);
-        if (lane == 0) {
-            const size_t i = (size_t)r * d_out + o;
-            if constexpr (OUT == Y_ADD_TO_RESIDUAL) static_cast<float*>(y)[i] = round_bf16(static_cast<float*>(y)[i] + round_bf16(sum));
-            else if (out_f32) static_cast<float*>(y)[i] = sum;
-            else static_cast<bf16*>(y)[i] = to_bf16(sum);
+        for (int r = 0; r < GEMV_MAX_ROWS; r++) acc[r] = 0.f;
+        gemv_row<IN>(acc, raw, x, w_row, o + stride < d_out ? w_row + (size_t)stride * d_in : nullptr, lane, rows, d_in);
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+            if (r >= rows) break;
+            const float sum = warp_sum(acc[r]);
+            if (lane == 0) {
+                const size_t i = (size_t)r * d_out + o;
+                if constexpr (OUT == Y_ADD_TO_RESIDUAL) static_cast<float*>(y)[i] = round_bf16(static_cast<float*>(y)[i] + round_bf16(sum));
+                else if (out_f32) static_cast<float*>(y)[i] = sum;
+                else static_cast<bf16*>(y)[i] = to_bf16(sum);
+            }
         }
     }
 }

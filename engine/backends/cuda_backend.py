@@ -51,6 +51,13 @@ def prefill_query_rows(group: int) -> int:
     return PREFILL_M_TILE // group
 
 
+def blocks_per_sm(fn, threads: int) -> int:
+    """Blocks of a kernel an SM holds at once as its registers allow (64K an SM,
+    allocated 8 a thread at a time; 2,048 threads an SM)."""
+    regs = -(-fn.num_regs // 8) * 8
+    return max(1, min(65536 // (regs * threads), 2048 // threads))
+
+
 def _ptr(a) -> np.uintp:
     return np.uintp(int(a.gpudata) if hasattr(a, "gpudata") else int(a))
 
@@ -188,6 +195,7 @@ class CudaBackend:
         self.ctx = self.device.retain_primary_context()
         with self._context():
             major, minor = self.device.compute_capability()
+            self.sm_count = self.device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
             group = config.num_heads // config.num_kv_heads
             self.kernel_build = (config.head_dim, group, f"sm_{major}{minor}")
             self.kernels = Kernels(*self.kernel_build)
@@ -352,8 +360,10 @@ class CudaBackend:
         return np.uintp(0)
 
     def _gemv_call(self, fn, d_out: int, staged_bytes: int, *args) -> None:
-        """Launch a gemv.cu kernel over d_out outputs; `args` end with rows and d_in."""
-        fn.prepared_async_call((-(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1), self.stream, *args, np.int32(d_out),
+        """Launch a gemv.cu kernel over d_out outputs, as many blocks as are resident at
+        once (each warp loops over rows); `args` end with rows and d_in."""
+        blocks = min(-(-d_out // GEMV_WARPS), self.sm_count * blocks_per_sm(fn, 32 * GEMV_WARPS))
+        fn.prepared_async_call((blocks, 1), (32 * GEMV_WARPS, 1, 1), self.stream, *args, np.int32(d_out),
                                shared_size=staged_bytes)
 
     def _rope_and_attention(self, k: Kernels, b: StepBuffers, shape: StepShape, kc: gpuarray.GPUArray,

@@ -220,18 +220,21 @@ def test_gemv_matches_numpy_and_each_row_alone(kernels, rows, d_in, d_out, out_f
     w = RNG.standard_normal((d_out, d_in)).astype(np.float32) / np.sqrt(d_in)
     xg, wg = up_bf16(x), up_bf16(w)
 
-    def gemv(n: int) -> np.ndarray:
+    def gemv(n: int, blocks: int | None = None) -> np.ndarray:
         y = gpuarray.to_gpu(np.full((n, d_out), np.nan, np.float32)) if out_f32 else poisoned_bf16((n, d_out))
-        launch(kernels.gemv, *gemv_grid(d_out), y, np.int32(out_f32), xg, wg, np.int32(n), np.int32(d_in), np.int32(d_out))
+        launch(kernels.gemv, *gemv_grid(d_out, blocks), y, np.int32(out_f32), xg, wg, np.int32(n), np.int32(d_in),
+               np.int32(d_out))
         return y.get() if out_f32 else bf16_bits_to_f32(y.get())
 
     got = gemv(rows)
     assert rel_l2(got, bf16(x) @ bf16(w).T) < TOL
     assert np.array_equal(gemv(1)[0], got[0])  # a row's sum does not depend on the rows beside it
+    assert np.array_equal(gemv(rows, blocks=3), got)  # nor on the grid: with fewer blocks each warp takes several rows
 
 
-def gemv_grid(d_out: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    return (-(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1)
+def gemv_grid(d_out: int, blocks: int | None = None) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """A block per GEMV_WARPS outputs, or `blocks` (each warp then takes several rows)."""
+    return (blocks or -(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1)
 
 
 def separate_gemv(kernels, x: gpuarray.GPUArray, w: gpuarray.GPUArray, rows: int, d_in: int, d_out: int) -> gpuarray.GPUArray:
@@ -248,7 +251,8 @@ def separate_add(kernels, residual: gpuarray.GPUArray, delta: gpuarray.GPUArray,
 
 # The fused GEMVs (gemv.cu) against the kernels they replace, bit for bit.
 @pytest.mark.parametrize("rows, hidden, d_out", [(1, 2048, 3072), (3, 576, 1536), (2, 64, 40)])
-def test_gemv_rmsnorm_equals_add_rmsnorm_then_gemv(kernels, rows, hidden, d_out):
+@pytest.mark.parametrize("blocks", [None, 2])
+def test_gemv_rmsnorm_equals_add_rmsnorm_then_gemv(kernels, rows, hidden, d_out, blocks):
     residual = bf16(RNG.standard_normal((rows, hidden)).astype(np.float32))
     norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
     w = up_bf16(RNG.standard_normal((d_out, hidden)).astype(np.float32) / np.sqrt(hidden))
@@ -258,26 +262,28 @@ def test_gemv_rmsnorm_equals_add_rmsnorm_then_gemv(kernels, rows, hidden, d_out)
            np.int32(hidden), np.float32(1e-5))
     expected = separate_gemv(kernels, h, w, rows, hidden, d_out).get()
     y = poisoned_bf16((rows, d_out))
-    launch(kernels.gemv_rmsnorm, *gemv_grid(d_out), y, res_gpu, norm_weight, np.float32(1e-5), w, np.int32(rows),
+    launch(kernels.gemv_rmsnorm, *gemv_grid(d_out, blocks), y, res_gpu, norm_weight, np.float32(1e-5), w, np.int32(rows),
            np.int32(hidden), np.int32(d_out), shared_size=rows * hidden * 2)
     assert np.array_equal(y.get(), expected)
     assert np.array_equal(res_gpu.get(), residual)  # read, not written
 
 
 @pytest.mark.parametrize("rows, d_in, hidden", [(1, 2048, 2048), (3, 576, 576), (2, 24, 40)])
-def test_gemv_add_equals_gemv_then_residual_add(kernels, rows, d_in, hidden):
+@pytest.mark.parametrize("blocks", [None, 2])
+def test_gemv_add_equals_gemv_then_residual_add(kernels, rows, d_in, hidden, blocks):
     residual = bf16(RNG.standard_normal((rows, hidden)).astype(np.float32))
     x = up_bf16(RNG.standard_normal((rows, d_in)).astype(np.float32))
     w = up_bf16(RNG.standard_normal((hidden, d_in)).astype(np.float32) / np.sqrt(d_in))
     expected = gpuarray.to_gpu(residual)
     separate_add(kernels, expected, separate_gemv(kernels, x, w, rows, d_in, hidden), rows, hidden)
     got = gpuarray.to_gpu(residual)
-    launch(kernels.gemv_add, *gemv_grid(hidden), got, x, w, np.int32(rows), np.int32(d_in), np.int32(hidden))
+    launch(kernels.gemv_add, *gemv_grid(hidden, blocks), got, x, w, np.int32(rows), np.int32(d_in), np.int32(hidden))
     assert np.array_equal(got.get(), expected.get())
 
 
 @pytest.mark.parametrize("rows, inter, hidden", [(1, 8192, 2048), (3, 8192, 2048), (2, 1536, 576)])
-def test_gemv_silu_add_equals_silu_then_gemv_then_residual_add(kernels, rows, inter, hidden):
+@pytest.mark.parametrize("blocks", [None, 2])
+def test_gemv_silu_add_equals_silu_then_gemv_then_residual_add(kernels, rows, inter, hidden, blocks):
     residual = bf16(RNG.standard_normal((rows, hidden)).astype(np.float32))
     gate_up = up_bf16(RNG.standard_normal((rows, 2 * inter)).astype(np.float32) * 3)
     w = up_bf16(RNG.standard_normal((hidden, inter)).astype(np.float32) / np.sqrt(inter))
@@ -286,7 +292,7 @@ def test_gemv_silu_add_equals_silu_then_gemv_then_residual_add(kernels, rows, in
     expected = gpuarray.to_gpu(residual)
     separate_add(kernels, expected, separate_gemv(kernels, act, w, rows, inter, hidden), rows, hidden)
     got = gpuarray.to_gpu(residual)
-    launch(kernels.gemv_silu_add, *gemv_grid(hidden), got, gate_up, w, np.int32(rows), np.int32(inter), np.int32(hidden),
+    launch(kernels.gemv_silu_add, *gemv_grid(hidden, blocks), got, gate_up, w, np.int32(rows), np.int32(inter), np.int32(hidden),
            shared_size=rows * inter * 2)
     assert np.array_equal(got.get(), expected.get())
 
