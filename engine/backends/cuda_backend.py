@@ -58,6 +58,15 @@ def blocks_per_sm(fn, threads: int) -> int:
     return max(1, min(65536 // (regs * threads), 2048 // threads))
 
 
+def gemv_split(d_in: int) -> int:
+    """Warps a gemv.cu weight row is split over (gemv_split there): a power of two,
+    each slice at least 2,048 columns (one warp's UNROLL loads)."""
+    split = 1
+    while split < GEMV_WARPS and d_in >= 2 * split * 2048:
+        split *= 2
+    return split
+
+
 def _ptr(a) -> np.uintp:
     return np.uintp(int(a.gpudata) if hasattr(a, "gpudata") else int(a))
 
@@ -361,8 +370,9 @@ class CudaBackend:
 
     def _gemv_call(self, fn, d_out: int, staged_bytes: int, *args) -> None:
         """Launch a gemv.cu kernel over d_out outputs, as many blocks as are resident at
-        once (each warp loops over rows); `args` end with rows and d_in."""
-        blocks = min(-(-d_out // GEMV_WARPS), self.sm_count * blocks_per_sm(fn, 32 * GEMV_WARPS))
+        once (each group of warps loops over rows); `args` end with rows and d_in."""
+        rows_per_block = GEMV_WARPS // gemv_split(int(args[-1]))
+        blocks = min(-(-d_out // rows_per_block), self.sm_count * blocks_per_sm(fn, 32 * GEMV_WARPS))
         fn.prepared_async_call((blocks, 1), (32 * GEMV_WARPS, 1, 1), self.stream, *args, np.int32(d_out),
                                shared_size=staged_bytes)
 

@@ -214,7 +214,8 @@ def test_cublas_linear(cuda_context, tokens, d_in, d_out, out_f32):
 
 @pytest.mark.parametrize("rows, d_in, d_out, out_f32", [(1, 2048, 3072, False), (3, 8192, 2048, False),
                                                         (8, 2048, 16384, False), (2, 2048, 128256, True), (5, 576, 1002, False),
-                                                        (4, 1000, 33, False)])
+                                                        (4, 1000, 33, False),
+                                                        (2, 4104, 40, False), (1, 16384, 24, True)])  # (rows split over 2 and 8 warps)
 def test_gemv_matches_numpy_and_each_row_alone(kernels, rows, d_in, d_out, out_f32):
     x = RNG.standard_normal((rows, d_in)).astype(np.float32)
     w = RNG.standard_normal((d_out, d_in)).astype(np.float32) / np.sqrt(d_in)
