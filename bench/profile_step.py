@@ -23,7 +23,8 @@ import pycuda.gpuarray as gpuarray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.backends.cuda_backend import GEMV_MAX_ROWS, GEMV_ROWS, CudaBackend, Kernels  # noqa: E402
+from engine.backends.cuda_backend import GEMV_ROWS, CudaBackend  # noqa: E402
+from engine.backends.cuda_kernels import GEMV_MAX_ROWS, Kernels  # noqa: E402
 from engine.backends.cuda_graph import CudaGraph  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402

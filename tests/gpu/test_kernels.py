@@ -19,7 +19,7 @@ import pycuda.gpuarray as gpuarray  # noqa: E402
 
 from engine.backends import numpy_backend as ref  # noqa: E402
 from engine.backends.cublas import Cublas  # noqa: E402
-from engine.backends.cuda_backend import (  # noqa: E402
+from engine.backends.cuda_kernels import (  # noqa: E402
     ATTENTION_THREADS, GEMV_WARPS, PARTITION, PREFILL_THREADS, Kernels, prefill_query_rows,
 )
 from engine.sampler import apply_penalties  # noqa: E402

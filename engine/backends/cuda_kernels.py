@@ -1,0 +1,73 @@
+"""The kernels of cuda_src/ as the host sees them: compiled for the device and prepared
+for launch (`Kernels`), with the launch geometry that must agree with the .cu files
+(each constant says where its twin is)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pycuda.compiler import SourceModule
+
+CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
+PARTITION = 512  # context positions per attention thread block
+ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
+PREFILL_THREADS, PREFILL_M_TILE = 128, 64  # as in attention.cu
+MAX_PART_BLOCKS = 256  # as in attention.cu
+GEMV_MAX_ROWS, GEMV_WARPS = 8, 8  # as in gemv.cu
+STAGED_INPUT_BYTES = 47 * 1024  # gemv.cu's staged input: 48 KB a block takes without opting in, less its static shared memory
+
+
+def prefill_query_rows(group: int) -> int:
+    """Query positions per prefill_attention block (Q_POS in attention.cu)."""
+    return PREFILL_M_TILE // group
+
+
+def blocks_per_sm(fn, threads: int) -> int:
+    """Blocks of a kernel an SM holds at once as its registers allow (64K an SM,
+    allocated 8 a thread at a time; 2,048 threads an SM)."""
+    regs = -(-fn.num_regs // 8) * 8
+    return max(1, min(65536 // (regs * threads), 2048 // threads))
+
+
+def gemv_split(d_in: int) -> int:
+    """Warps a gemv.cu weight row is split over (gemv_split there): a power of two,
+    each slice at least 2,048 columns (one warp's UNROLL loads)."""
+    split = 1
+    while split < GEMV_WARPS and d_in >= 2 * split * 2048:
+        split *= 2
+    return split
+
+
+class Kernels:
+    """The kernels of cuda_src/, compiled for this device and prepared for launch.
+    `programmatic` builds them to await their predecessor in-kernel (common.cuh), for
+    CUDA graphs whose edges into them are programmatic; eager launches take the plain build."""
+
+    SIGNATURES = {
+        "embedding_gather": ("embedding.cu", "PPPPi"),
+        "add_rmsnorm": ("rmsnorm.cu", "PPPPPif"),
+        "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
+        "paged_attention_partial": ("attention.cu", "PPPPPPPiPPiiiif"),
+        "paged_attention_merge": ("attention.cu", "PPPPPii"),
+        "prefill_attention_partial": ("attention.cu", "PPPPPPPiPPPiiiif"),
+        "silu_and_mul": ("activation.cu", "PPi"),
+        "gemv": ("gemv.cu", "PiPPiii"),
+        "gemv_rmsnorm": ("gemv.cu", "PPPfPiii"),
+        "gemv_add": ("gemv.cu", "PPPiii"),
+        "gemv_silu_add": ("gemv.cu", "PPPiii"),
+        "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
+        "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
+    }
+
+    def __init__(self, head_dim: int, group: int, arch: str, programmatic: bool = False):
+        modules = {}
+        options = ["-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"] + (["-DPROGRAMMATIC_LAUNCH"] if programmatic else [])
+        for name, (file, signature) in self.SIGNATURES.items():
+            if file not in modules:
+                modules[file] = SourceModule(
+                    (CUDA_SRC / file).read_text(), no_extern_c=True, arch=arch, options=options,
+                    include_dirs=[str(CUDA_SRC)],
+                )
+            fn = modules[file].get_function(name)
+            fn.prepare(signature)
+            setattr(self, name, fn)
