@@ -1,12 +1,11 @@
 """The kernels of cuda_src/ as the host sees them: compiled for the device and prepared
 for launch (`Kernels`), with the launch geometry that must agree with the .cu files
-(each constant says where its twin is)."""
+(each constant says where its twin is; tests/test_kernel_contract.py checks them, and
+the signatures, against the sources). Imports without PyCUDA, for those tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-from pycuda.compiler import SourceModule
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 PARTITION = 512  # context positions per attention thread block
@@ -14,6 +13,7 @@ ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS, PREFILL_M_TILE = 128, 64  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
 GEMV_MAX_ROWS, GEMV_WARPS = 8, 8  # as in gemv.cu
+GEMV_SLICE = 2048  # columns of one warp's loads (SPAN * UNROLL in gemv.cu)
 STAGED_INPUT_BYTES = 47 * 1024  # gemv.cu's staged input: 48 KB a block takes without opting in, less its static shared memory
 
 
@@ -31,9 +31,9 @@ def blocks_per_sm(fn, threads: int) -> int:
 
 def gemv_split(d_in: int) -> int:
     """Warps a gemv.cu weight row is split over (gemv_split there): a power of two,
-    each slice at least 2,048 columns (one warp's UNROLL loads)."""
+    each slice at least GEMV_SLICE columns."""
     split = 1
-    while split < GEMV_WARPS and d_in >= 2 * split * 2048:
+    while split < GEMV_WARPS and d_in >= 2 * split * GEMV_SLICE:
         split *= 2
     return split
 
@@ -60,6 +60,8 @@ class Kernels:
     }
 
     def __init__(self, head_dim: int, group: int, arch: str, programmatic: bool = False):
+        from pycuda.compiler import SourceModule
+
         modules = {}
         options = ["-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"] + (["-DPROGRAMMATIC_LAUNCH"] if programmatic else [])
         for name, (file, signature) in self.SIGNATURES.items():

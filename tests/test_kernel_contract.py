@@ -1,0 +1,74 @@
+"""The host's side of each kernel agrees with cuda_src/: the argument types it prepares
+every launch with (Kernels.SIGNATURES) match the kernel's parameters, and the launch
+geometry mirrored in cuda_kernels.py matches the #defines. A mismatch would pass
+pointers as ints or launch the wrong block size, which only a GPU run would show."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from engine.backends import cuda_kernels as ck
+
+KERNELS = sorted(ck.Kernels.SIGNATURES.items())
+
+
+def source(file: str) -> str:
+    """A .cu file without its comments and launch bounds."""
+    text = re.sub(r"//[^\n]*", "", (ck.CUDA_SRC / file).read_text())
+    return re.sub(r"__launch_bounds__\([^)]*\)", "", re.sub(r"/\*.*?\*/", "", text, flags=re.S))
+
+
+def parameters(file: str, name: str) -> list[str]:
+    """The parameter declarations of kernel `name` (an extern "C" __global__ function)."""
+    text = source(file)
+    match = re.search(r'extern "C" __global__ void\b[^;{]*?\b' + name + r"\s*\(([^)]*)\)\s*\{", text)
+    assert match, f"no kernel {name} in {file}"
+    return [p.strip() for p in match.group(1).split(",")]
+
+
+def type_code(declaration: str) -> str:
+    """PyCUDA's prepare() code for a parameter: P for a pointer, i for int, f for float."""
+    if "*" in declaration:
+        return "P"
+    kind = declaration.split()[-2] if len(declaration.split()) > 1 else ""
+    return {"int": "i", "float": "f"}[kind]
+
+
+def defines(file: str) -> dict[str, int]:
+    """The integer #defines of a .cu file (expressions over earlier ones evaluated)."""
+    values: dict[str, int] = {}
+    for name, expr in re.findall(r"^#define (\w+) ([^\n]+)$", source(file), flags=re.M):
+        try:
+            values[name] = int(eval(expr.strip(), {"__builtins__": {}}, dict(values)))  # (arithmetic on numbers only)
+        except (NameError, SyntaxError, TypeError):
+            pass  # macros with arguments, HEAD_DIM-dependent choices, and the like
+    return values
+
+
+@pytest.mark.parametrize("name, file, signature", [(n, f, s) for n, (f, s) in KERNELS], ids=[n for n, _ in KERNELS])
+def test_signature_matches_the_kernel(name, file, signature):
+    assert "".join(type_code(p) for p in parameters(file, name)) == signature
+
+
+def test_every_kernel_is_prepared():
+    declared = {name for path in ck.CUDA_SRC.glob("*.cu")
+                for name in re.findall(r'extern "C" __global__ void\b[^;{(]*?\b(\w+)\s*\(', source(path.name))}
+    assert declared == set(ck.Kernels.SIGNATURES)
+
+
+def test_launch_geometry_matches_the_sources():
+    attention, gemv = defines("attention.cu"), defines("gemv.cu")
+    assert ck.ATTENTION_THREADS == attention["WARPS"] * 32
+    assert (ck.PREFILL_THREADS, ck.PREFILL_M_TILE, ck.MAX_PART_BLOCKS) == (
+        attention["PREFILL_THREADS"], attention["M_TILE"], attention["MAX_PART_BLOCKS"])
+    assert (ck.GEMV_MAX_ROWS, ck.GEMV_WARPS) == (gemv["GEMV_MAX_ROWS"], gemv["GEMV_WARPS"])
+    assert ck.GEMV_SLICE == gemv["SPAN"] * gemv["UNROLL"]
+
+
+@pytest.mark.parametrize("d_in, split", [(576, 1), (2048, 1), (4095, 1), (4096, 2), (8192, 4), (16384, 8), (65536, 8)])
+def test_gemv_split(d_in, split):
+    """gemv_split's rule, as gemv.cu states it: slices of at least GEMV_SLICE columns,
+    at most one warp each."""
+    assert ck.gemv_split(d_in) == split
