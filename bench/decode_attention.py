@@ -1,7 +1,7 @@
 """Decode attention alone (paged_attention_partial, pass 1): the K/V bytes it reads per
 second against the bandwidth floor, at the Llama 3.2 1B shape (32 query heads, 8 KV
 heads, head_dim 64, 16-token blocks scattered over the cache), for a few batches and
-the engine's 512-position partitions (and 128 and 1024 for comparison: at small
+the engine's 512-position partitions (and 64, 128 and 1024 for comparison: at small
 batches shorter partitions give more blocks and shorter chains of loads).
 
     python bench/decode_attention.py [--source FILE]   # on a machine with an NVIDIA GPU
@@ -96,7 +96,7 @@ def main() -> None:
     print(f"{'batch':>26} | {'partition':>9} | {'us':>7} | {'K/V TB/s':>8} | {'floor us':>8}")
     for name, contexts in cases.items():
         x = inputs(contexts, rng)
-        for partition in (128, 512, 1024):
+        for partition in (64, 128, 512, 1024):
             seconds = time_kernel(fn, spin, x, partition)
             print(f"{name:>26} | {partition:>9} | {seconds * 1e6:7.1f} | {x['bytes'] / seconds / 1e12:8.2f} | "
                   f"{x['bytes'] / BANDWIDTH * 1e6:8.1f}")
