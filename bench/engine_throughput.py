@@ -53,8 +53,10 @@ def main() -> None:
     model = load_model(tmp.name)
     backend = CudaBackend(model.config, model.weights, batch_invariant=args.batch_invariant)
     blocks = int((prompt_lens + output_lens).sum() // 16 + 2 * args.requests)
+    ready = time.perf_counter()
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=blocks, max_num_seqs=args.requests,
                                                     max_num_batched_tokens=args.max_num_batched_tokens))
+    ready = time.perf_counter() - ready  # the KV cache, and every decode graph captured
     warm = engine.make_sequence("warm", [1] * 64, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine.add(warm)
     while engine.has_work():
@@ -84,7 +86,9 @@ def main() -> None:
           f"{'transformers tok/s':>18} | {'floor tok/s':>11}")
     print(f"{B:>8} | {generated:>13} | {steps:>6} | {elapsed:8.1f} | {generated / elapsed:12.0f} | {theirs:>18} | "
           f"{B / step_s:11.0f}")
-    print(f"(CUDA graph replays: {backend.graphs.replays if backend.graphs else 0} of {steps} steps; KV blocks: {blocks})")
+    graphs = backend.graphs
+    print(f"(CUDA graph replays: {graphs.replays if graphs else 0} of {steps} steps; KV blocks: {blocks}; the cache and "
+          f"{len(graphs.buckets) if graphs else 0} graphs ready in {ready:.2f} s)")
     timeline.report(elapsed)
 
 
