@@ -53,10 +53,10 @@ def main() -> None:
     model = load_model(tmp.name)
     backend = CudaBackend(model.config, model.weights, batch_invariant=args.batch_invariant)
     blocks = int((prompt_lens + output_lens).sum() // 16 + 2 * args.requests)
-    ready = time.perf_counter()
+    building = time.perf_counter()
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=blocks, max_num_seqs=args.requests,
                                                     max_num_batched_tokens=args.max_num_batched_tokens))
-    ready = time.perf_counter() - ready  # the KV cache, and every decode graph captured
+    ready_s = time.perf_counter() - building  # the KV cache, and every decode graph captured
     warm = engine.make_sequence("warm", [1] * 64, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine.add(warm)
     while engine.has_work():
@@ -88,7 +88,7 @@ def main() -> None:
           f"{B / step_s:11.0f}")
     graphs = backend.graphs
     print(f"(CUDA graph replays: {graphs.replays if graphs else 0} of {steps} steps; KV blocks: {blocks}; the cache and "
-          f"{len(graphs.buckets) if graphs else 0} graphs ready in {ready:.2f} s)")
+          f"{len(graphs.buckets) if graphs else 0} graphs ready in {ready_s:.2f} s)")
     timeline.report(elapsed)
 
 

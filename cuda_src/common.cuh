@@ -16,7 +16,7 @@ __device__ __forceinline__ bf16 to_bf16(float x) { return __float2bfloat16_rn(x)
 // returns once the previous kernel has completed and its writes are visible (that one
 // waited for its own predecessor, so all earlier kernels have completed too), and then
 // lets the next kernel's blocks be scheduled. Only the build for graphs
-// (-DPROGRAMMATIC_LAUNCH, engine/backends/cuda_backend.py's Kernels) has it: eager
+// (-DPROGRAMMATIC_LAUNCH, engine/backends/cuda_kernels.py's Kernels) has it: eager
 // launches take a build without it.
 __device__ __forceinline__ void await_previous_kernel() {
 #if defined(PROGRAMMATIC_LAUNCH) && __CUDA_ARCH__ >= 900

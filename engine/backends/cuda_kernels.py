@@ -72,4 +72,5 @@ class Kernels:
                 )
             fn = modules[file].get_function(name)
             fn.prepare(signature)
+            fn.num_regs = fn.num_regs  # (PyCUDA asks the driver at every read; the GEMV's grid reads it every launch)
             setattr(self, name, fn)
