@@ -1,10 +1,12 @@
 """Where the time of one CUDA engine step goes, kernel by kernel (CUDA events around
 every launch and GEMM of an eager step): a 1024-token prefill, a decode step at batch 1
 with a 200-token context and one at batch 256 with ~850-token contexts; then, with CUDA
-graphs, the wall time of a batch-1 engine step beside the GPU time of its graph replay;
-and the bandwidth cuBLAS (and our GEMV, at up to 8 rows) reaches on each weight matrix
-at 1 to 256 rows; the GEMV also as a decode graph runs it, back to back with
-programmatic launches (`graph`). Llama 3.2 1B shape, bfloat16, random weights.
+graphs, the wall time of a batch-1 engine step beside the GPU time of its graph replay,
+and that step's kernels timed as its graph runs them (each kernel's launches replayed
+alone in a graph with programmatic launches); and the bandwidth cuBLAS (and our GEMV,
+at up to 8 rows) reaches on each weight matrix at 1 to 256 rows; the GEMV also as a
+decode graph runs it, back to back with programmatic launches (`graph`). Llama 3.2 1B
+shape, bfloat16, random weights.
 
     python bench/profile_step.py      # on a machine with an NVIDIA GPU
 """
@@ -102,6 +104,57 @@ def graph_step_times(model) -> None:
           f"of which the forward replay is {np.median(gpus):.3f} ms of GPU time")
 
 
+def graph_kernel_table(model) -> None:
+    """A batch-1 decode step's kernels as a CUDA graph runs them. Events around each
+    launch of an eager step (the table further down) add a gap per launch that a graph
+    does not have, so here the launches of one eager step are recorded, and each
+    kernel's launches (16 or so: one a layer) are replayed alone, back to back with
+    programmatic launches, in a graph of REPEATS steps' worth. The last row replays
+    every launch in order: it should come near the step graph's own GPU time."""
+    backend = CudaBackend(model.config, model.weights, cuda_graphs=False)
+    engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
+    engine.add(engine.make_sequence("b1", list(range(1000, 1128)), SamplingParams(temperature=0.0, max_tokens=64,
+                                                                                   ignore_eos=True)))
+    engine.step()  # the prompt
+    launches = []  # (kernel name, grid, block, arguments after the stream, keywords)
+    for name in Kernels.SIGNATURES:
+        fn = getattr(backend.kernels, name)
+
+        def record(grid, block, stream, *args, _name=name, _call=fn.prepared_async_call, **kwargs):
+            launches.append((_name, grid, block, args, kwargs))
+            return _call(grid, block, stream, *args, **kwargs)
+        fn.prepared_async_call = record
+    gemms = []
+    backend.blas.linear = lambda *args, _call=backend.blas.linear, **kwargs: (gemms.append(args), _call(*args, **kwargs))
+    engine.step()  # (its buffers go back to the memory pool, which keeps them: the replays below reuse them)
+    repeats = 20
+    print(f"\nbatch-1 decode step (context 129) as a CUDA graph runs it, kernel by kernel ({len(gemms)} cuBLAS calls left out)")
+    print(f"{'kernel':>26} | launches | us a step | us a launch")
+    with backend._context():
+        kernels = Kernels(*backend.kernel_build, programmatic=True)
+
+        def replay_time(chosen: list) -> float:
+            """Microseconds a step's worth of `chosen` launches takes in a graph."""
+            def queue():
+                for _ in range(repeats):
+                    for name, grid, block, args, kwargs in chosen:
+                        getattr(kernels, name).prepared_async_call(grid, block, backend.stream, *args, **kwargs)
+            graph = CudaGraph(backend.stream.handle, queue, awaiting_kernels=Kernels.SIGNATURES)
+            graph.launch()
+            start, end = cuda.Event(), cuda.Event()
+            start.record(backend.stream)
+            graph.launch()
+            end.record(backend.stream)
+            end.synchronize()
+            graph.close()
+            return end.time_since(start) * 1e3 / repeats
+        names = list(dict.fromkeys(name for name, *_ in launches))
+        rows = [(name, [launch for launch in launches if launch[0] == name]) for name in names] + [("all, in order", launches)]
+        for name, chosen in rows:
+            us = replay_time(chosen)
+            print(f"{name:>26} | {len(chosen):>8} | {us:9.1f} | {us / len(chosen):11.2f}")
+
+
 def gemm_table(backend: CudaBackend) -> None:
     """Time of one product per weight matrix and row count, and the weight bytes it
     reads per second: cuBLAS, and our GEMV (the backend takes it up to GEMV_ROWS rows),
@@ -154,6 +207,7 @@ def main() -> None:
         make_model(Path(tmp), LLAMA_32_1B, seed=0)
         model = load_model(tmp)
     graph_step_times(model)
+    graph_kernel_table(model)
     backend = CudaBackend(model.config, model.weights, cuda_graphs=False)
     gemm_table(backend)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192))
