@@ -1,7 +1,12 @@
-// SiLU-and-multiply on 8 elements, shared by silu_and_mul (activation.cu) and the GEMV
-// that computes its own input (gemv.cu), so that both round alike.
+// SiLU-and-multiply, shared by silu_and_mul (activation.cu) and the gate/up GEMV that
+// applies it to its own outputs (gemv.cu), so that both round alike.
 #pragma once
 #include "common.cuh"
+
+// bf16(silu(gate)) * up, for bfloat16 gate and up (the caller rounds the product)
+__device__ __forceinline__ float silu_and_mul1(float gate, float up) {
+    return round_bf16(gate / (1.f + __expf(-gate))) * up;
+}
 
 // bf16(bf16(silu(gate[i + j])) * up[i + j]) for j < 8, packed; row = [gate | up], width 2 * inter
 __device__ __forceinline__ uint4 silu_and_mul8(const bf16* __restrict__ row, int inter, int i) {
@@ -9,6 +14,6 @@ __device__ __forceinline__ uint4 silu_and_mul8(const bf16* __restrict__ row, int
     load_bf16x8(row + i, g);
     load_bf16x8(row + inter + i, u);
 #pragma unroll
-    for (int j = 0; j < 8; j++) g[j] = round_bf16(g[j] / (1.f + __expf(-g[j]))) * u[j];
+    for (int j = 0; j < 8; j++) g[j] = silu_and_mul1(g[j], u[j]);
     return pack_bf16x8(g);
 }

@@ -22,10 +22,13 @@
 // Three variants take the kernels around a layer's GEMMs into the GEMV, for steps
 // whose GEMMs are all GEMVs (a step of one token), each with the arithmetic of the
 // kernel it replaces, so that they compute bit for bit what the separate kernels do:
-//   gemv_rmsnorm:  x = RMSNorm(residual) (add_rmsnorm without a delta), staged in
-//                  shared memory by the block before the product
-//   gemv_add:      residual += bf16(y) (add_rmsnorm's residual add), instead of storing y
-//   gemv_silu_add: x = silu_and_mul(gate_up), staged likewise; residual += bf16(y)
+//   gemv_rmsnorm:      x = RMSNorm(residual) (add_rmsnorm without a delta), staged in
+//                      shared memory by the block before the product
+//   gemv_rmsnorm_silu: the same x, and w = [gate | up] of 2 * d_out rows: a group
+//                      computes gate row o and up row d_out + o and stores
+//                      silu_and_mul of the two (silu_and_mul's arithmetic), so the
+//                      down projection reads its input as it is
+//   gemv_add:          residual += bf16(y) (add_rmsnorm's residual add), instead of storing y
 // The oracles: numpy's x @ w.T for gemv, and the separate kernels for the variants
 // (tests/gpu/test_kernels.py).
 #define GEMV_MAX_ROWS 8
@@ -40,12 +43,11 @@ __host__ __device__ __forceinline__ int gemv_split(int d_in) {
     while (split < GEMV_WARPS && d_in >= 2 * split * SPAN * UNROLL) split *= 2;
     return split;
 }
-// At least 3 blocks an SM (24 warps, 96 KB of weights in flight); without the bound
-// ptxas holds gemv_silu_add to 64 registers and spills.
+// At least 3 blocks an SM (24 warps, 96 KB of weights in flight).
 #define GEMV_BOUNDS __launch_bounds__(GEMV_WARPS * 32, 3)
 
-enum GemvInput { X_GIVEN, X_RMSNORM, X_SILU };
-enum GemvOutput { Y_STORE, Y_ADD_TO_RESIDUAL };  // Y_STORE: float32 if out_f32, else bfloat16
+enum GemvInput { X_GIVEN, X_RMSNORM };
+enum GemvOutput { Y_STORE, Y_SILU_AND_MUL, Y_ADD_TO_RESIDUAL };  // Y_STORE: float32 if out_f32, else bfloat16
 
 // UNROLL of a lane's 16-byte pieces of a weight row, from column `first` on (zeros from `end`).
 __device__ __forceinline__ void load_weights(uint4* raw, const bf16* __restrict__ w_row, int first, int end) {
@@ -56,25 +58,14 @@ __device__ __forceinline__ void load_weights(uint4* raw, const bf16* __restrict_
     }
 }
 
-// Writes the block's input rows [rows, d_in] to `staged`: RMSNorm of the residual rows
-// (`src`, float32) with `norm_weight`, or SiLU-and-multiply of the gate_up rows (`src`,
-// bfloat16, width 2 * d_in).
-template <GemvInput IN>
-__device__ __forceinline__ void stage_input(bf16* staged, const void* src, const bf16* __restrict__ norm_weight,
-                                            float eps, int rows, int d_in) {
+// Writes RMSNorm(residual rows) with `norm_weight` to `staged` ([rows, d_in], bfloat16).
+__device__ __forceinline__ void stage_rmsnorm(bf16* staged, const float* residual, const bf16* __restrict__ norm_weight,
+                                              float eps, int rows, int d_in) {
     __shared__ float scratch[32];
     for (int r = 0; r < rows; r++) {
-        bf16* out = staged + (size_t)r * d_in;
-        if constexpr (IN == X_RMSNORM) {
-            float* x = const_cast<float*>(static_cast<const float*>(src)) + (size_t)r * d_in;  // (read only: no delta)
-            const float inv_rms = rsqrtf(block_sum(add_and_sum_squares(x, nullptr, d_in), scratch) / d_in + eps);
-            scale_row(x, norm_weight, out, d_in, inv_rms);
-        } else {
-            const bf16* row = static_cast<const bf16*>(src) + (size_t)r * 2 * d_in;
-#pragma unroll 1
-            for (int i = 8 * threadIdx.x; i < d_in; i += 8 * blockDim.x)
-                *reinterpret_cast<uint4*>(out + i) = silu_and_mul8(row, d_in, i);
-        }
+        float* x = const_cast<float*>(residual) + (size_t)r * d_in;  // (read only: no delta)
+        const float inv_rms = rsqrtf(block_sum(add_and_sum_squares(x, nullptr, d_in), scratch) / d_in + eps);
+        scale_row(x, norm_weight, staged + (size_t)r * d_in, d_in, inv_rms);
     }
 }
 
@@ -96,7 +87,7 @@ __device__ __forceinline__ void gemv_slice(float* acc, uint4* raw, const bf16* x
                 if (r >= rows) break;
                 float xf[8];
                 if constexpr (IN == X_GIVEN) load_bf16x8(x + (size_t)r * d_in + c, xf);
-                else unpack_bf16x8(*reinterpret_cast<const uint4*>(x + (size_t)r * d_in + c), xf);
+                else unpack_bf16x8(*reinterpret_cast<const uint4*>(x + (size_t)r * d_in + c), xf);  // (shared memory)
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc[r] += wf[i] * xf[i];
             }
@@ -107,33 +98,49 @@ __device__ __forceinline__ void gemv_slice(float* acc, uint4* raw, const bf16* x
     }
 }
 
-template <GemvOutput OUT>
-__device__ __forceinline__ void store_output(void* __restrict__ y, bool out_f32, size_t i, float sum) {
-    if constexpr (OUT == Y_ADD_TO_RESIDUAL) static_cast<float*>(y)[i] = round_bf16(static_cast<float*>(y)[i] + round_bf16(sum));
-    else if (out_f32) static_cast<float*>(y)[i] = sum;
-    else static_cast<bf16*>(y)[i] = to_bf16(sum);
+// x-row r's dot product with the group's weight row, held by lane r of the group's
+// first warp (slice 0) and summed in a fixed order: lanes, then the slices in order.
+// Every warp of the block must call it together when split > 1 (it syncs the block).
+__device__ __forceinline__ float group_sum(const float* acc, float (*slice_sums)[GEMV_MAX_ROWS], int warp, int lane,
+                                           int slice, int split, int rows) {
+    float mine = 0.f;
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+        if (r >= rows) break;
+        const float sum = warp_sum(acc[r]);  // (every lane gets the sum)
+        if (lane == r) mine = sum;
+    }
+    if (split == 1) return mine;
+    if (lane < rows) slice_sums[warp][lane] = mine;
+    __syncthreads();
+    if (slice == 0 && lane < rows)
+        for (int s = 1; s < split; s++) mine += slice_sums[warp + s][lane];
+    __syncthreads();
+    return mine;
 }
 
 template <GemvInput IN, GemvOutput OUT>
 __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, const void* __restrict__ src,
                                           const bf16* __restrict__ norm_weight, float eps, const bf16* __restrict__ w,
                                           int rows, int d_in, int d_out) {
-    extern __shared__ __align__(16) bf16 staged[];  // [rows, d_in] when IN is not X_GIVEN
+    extern __shared__ __align__(16) bf16 staged[];  // [rows, d_in] when IN is X_RMSNORM
     __shared__ float slice_sums[GEMV_WARPS][GEMV_MAX_ROWS];
+    constexpr int PARTS = OUT == Y_SILU_AND_MUL ? 2 : 1;  // weight rows an output takes: gate row o, up row d_out + o
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int split = gemv_split(d_in), groups = GEMV_WARPS / split, slice = warp % split;
     const int width = (d_in / 8 + split - 1) / split * 8;  // (a multiple of 8, as the loads need)
     const int begin = slice * width, end = min(d_in, begin + width);
     const int stride = gridDim.x * groups;
-    int first = blockIdx.x * groups;  // the block's first output row; its group's row is first + warp / split
+    auto weight_row = [&](int o, int part) { return w + ((size_t)part * d_out + o) * d_in; };
+    int first = blockIdx.x * groups;  // the block's first output; its group's is first + warp / split
     // The weights are no earlier kernel's output: the first loads go out before the
     // wait for the previous kernel, and overlap its tail.
     uint4 raw[UNROLL];
-    load_weights(raw, w + (size_t)min(first + warp / split, d_out - 1) * d_in, begin + lane * 8, end);
+    load_weights(raw, weight_row(min(first + warp / split, d_out - 1), 0), begin + lane * 8, end);
     await_previous_kernel();
     const bf16* x = static_cast<const bf16*>(src);
-    if constexpr (IN != X_GIVEN) {
-        stage_input<IN>(staged, src, norm_weight, eps, rows, d_in);
+    if constexpr (IN == X_RMSNORM) {
+        stage_rmsnorm(staged, static_cast<const float*>(src), norm_weight, eps, rows, d_in);
         __syncthreads();
         x = staged;
     }
@@ -141,32 +148,28 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
     // at __syncthreads.)
     for (; first < d_out; first += stride) {
         const int o = first + warp / split;
-        float acc[GEMV_MAX_ROWS];
+        float sums[PARTS];
 #pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; r++) acc[r] = 0.f;
-        if (o < d_out) {
-            const bf16* w_row = w + (size_t)o * d_in;
-            gemv_slice<IN>(acc, raw, x, w_row, o + stride < d_out ? w_row + (size_t)stride * d_in : nullptr, lane, rows,
-                           begin, end, d_in);
-        }
+        for (int part = 0; part < PARTS; part++) {
+            float acc[GEMV_MAX_ROWS];
 #pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; r++) {
-            if (r >= rows) break;
-            const float sum = warp_sum(acc[r]);
-            if (split == 1) {
-                if (lane == 0 && o < d_out) store_output<OUT>(y, out_f32, (size_t)r * d_out + o, sum);
-            } else if (lane == 0) {
-                slice_sums[warp][r] = sum;
+            for (int r = 0; r < GEMV_MAX_ROWS; r++) acc[r] = 0.f;
+            if (o < d_out) {
+                const bf16* next = part + 1 < PARTS ? weight_row(o, part + 1)
+                                   : o + stride < d_out ? weight_row(o + stride, 0) : nullptr;
+                gemv_slice<IN>(acc, raw, x, weight_row(o, part), next, lane, rows, begin, end, d_in);
             }
+            sums[part] = group_sum(acc, slice_sums, warp, lane, slice, split, rows);
         }
-        if (split > 1) {
-            __syncthreads();
-            if (slice == 0 && lane < rows && o < d_out) {
-                float sum = slice_sums[warp][lane];
-                for (int s = 1; s < split; s++) sum += slice_sums[warp + s][lane];
-                store_output<OUT>(y, out_f32, (size_t)lane * d_out + o, sum);
-            }
-            __syncthreads();
+        if (slice != 0 || lane >= rows || o >= d_out) continue;
+        const size_t i = (size_t)lane * d_out + o;
+        if constexpr (OUT == Y_ADD_TO_RESIDUAL) {
+            static_cast<float*>(y)[i] = round_bf16(static_cast<float*>(y)[i] + round_bf16(sums[0]));
+        } else if constexpr (OUT == Y_SILU_AND_MUL) {
+            static_cast<bf16*>(y)[i] = to_bf16(silu_and_mul1(round_bf16(sums[0]), round_bf16(sums[1])));
+        } else {
+            if (out_f32) static_cast<float*>(y)[i] = sums[0];
+            else static_cast<bf16*>(y)[i] = to_bf16(sums[0]);
         }
     }
 }
@@ -184,15 +187,16 @@ extern "C" __global__ void GEMV_BOUNDS gemv_rmsnorm(bf16* __restrict__ y, const 
     gemv_rows<X_RMSNORM, Y_STORE>(y, false, residual, norm_weight, eps, w, rows, d_in, d_out);
 }
 
+// act = silu_and_mul(RMSNorm(residual) @ w^T), w = [gate | up] of 2 * d_out rows;
+// dynamic shared memory: rows * d_in * 2 bytes
+extern "C" __global__ void GEMV_BOUNDS gemv_rmsnorm_silu(bf16* __restrict__ act, const float* __restrict__ residual,
+                                                         const bf16* __restrict__ norm_weight, float eps,
+                                                         const bf16* __restrict__ w, int rows, int d_in, int d_out) {
+    gemv_rows<X_RMSNORM, Y_SILU_AND_MUL>(act, false, residual, norm_weight, eps, w, rows, d_in, d_out);
+}
+
 // residual += x @ w^T
 extern "C" __global__ void GEMV_BOUNDS gemv_add(float* __restrict__ residual, const bf16* __restrict__ x,
                                                 const bf16* __restrict__ w, int rows, int d_in, int d_out) {
     gemv_rows<X_GIVEN, Y_ADD_TO_RESIDUAL>(residual, false, x, nullptr, 0.f, w, rows, d_in, d_out);
-}
-
-// residual += silu_and_mul(gate_up) @ w^T, gate_up of width 2 * d_in; dynamic shared
-// memory: rows * d_in * 2 bytes
-extern "C" __global__ void GEMV_BOUNDS gemv_silu_add(float* __restrict__ residual, const bf16* __restrict__ gate_up,
-                                                     const bf16* __restrict__ w, int rows, int d_in, int d_out) {
-    gemv_rows<X_SILU, Y_ADD_TO_RESIDUAL>(residual, false, gate_up, nullptr, 0.f, w, rows, d_in, d_out);
 }

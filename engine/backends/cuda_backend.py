@@ -280,18 +280,18 @@ class CudaBackend:
         return _ptr(b.delta)
 
     def _all_gemv(self, shape: StepShape) -> bool:
-        """Whether every GEMM of the step is one GEMV over all its rows, whose input fits
-        the GEMV's shared memory: then the layer's norms, SiLU and residual adds ride in
-        the GEMVs (gemv.cu)."""
-        c = self.config
+        """Whether every GEMM of the step is one GEMV over all its rows, whose normalised
+        input fits the GEMV's shared memory: then the layer's norms, SiLU and residual
+        adds ride in the GEMVs (gemv.cu)."""
         return (not shape.invariant and shape.rows <= GEMV_ROWS
-                and shape.rows * 2 * max(c.hidden_size, c.intermediate_size) <= STAGED_INPUT_BYTES)
+                and shape.rows * 2 * self.config.hidden_size <= STAGED_INPUT_BYTES)
 
     def _fused_layer(self, k: Kernels, b: StepBuffers, shape: StepShape, layer: dict, kc: gpuarray.GPUArray,
                      vc: gpuarray.GPUArray, pending: np.uintp) -> np.uintp:
         """One decoder layer in seven kernels where `_layer` takes ten (see _all_gemv): the
-        norms and SiLU are computed by the GEMVs that read them, and each residual add by
-        the GEMV that produces it, so none is pending."""
+        norms are computed by the GEMVs that read them, SiLU-and-multiply by the gate/up
+        GEMV that produces its input, and each residual add by the GEMV that produces
+        it, so none is pending."""
         c, rows = self.config, shape.rows
         H, I, eps = c.hidden_size, c.intermediate_size, np.float32(c.rms_norm_eps)
         residual = _ptr(b.residual)
@@ -299,10 +299,9 @@ class CudaBackend:
                         _ptr(layer["attn_norm"]), eps, _ptr(layer["qkv"]), np.int32(rows), np.int32(H))
         self._rope_and_attention(k, b, shape, kc, vc)
         self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.attn), _ptr(layer["o"]), np.int32(rows), np.int32(c.q_size))
-        self._gemv_call(k.gemv_rmsnorm, 2 * I, rows * H * 2, _ptr(b.gate_up), residual, _ptr(layer["mlp_norm"]), eps,
+        self._gemv_call(k.gemv_rmsnorm_silu, I, rows * H * 2, _ptr(b.act), residual, _ptr(layer["mlp_norm"]), eps,
                         _ptr(layer["gate_up"]), np.int32(rows), np.int32(H))
-        self._gemv_call(k.gemv_silu_add, H, rows * I * 2, residual, _ptr(b.gate_up), _ptr(layer["down"]),
-                        np.int32(rows), np.int32(I))
+        self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.act), _ptr(layer["down"]), np.int32(rows), np.int32(I))
         return np.uintp(0)
 
     def _gemv_call(self, fn, d_out: int, staged_bytes: int, *args) -> None:

@@ -54,7 +54,7 @@ class Kernels:
         "gemv": ("gemv.cu", "PiPPiii"),
         "gemv_rmsnorm": ("gemv.cu", "PPPfPiii"),
         "gemv_add": ("gemv.cu", "PPPiii"),
-        "gemv_silu_add": ("gemv.cu", "PPPiii"),
+        "gemv_rmsnorm_silu": ("gemv.cu", "PPPfPiii"),
         "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
         "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
     }

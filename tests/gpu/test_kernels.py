@@ -250,6 +250,15 @@ def separate_add(kernels, residual: gpuarray.GPUArray, delta: gpuarray.GPUArray,
            poisoned_bf16((rows, hidden)), i32(np.arange(rows)), np.int32(hidden), np.float32(1e-5))
 
 
+def separate_rmsnorm(kernels, residual: gpuarray.GPUArray, norm_weight: gpuarray.GPUArray, rows: int,
+                     hidden: int) -> gpuarray.GPUArray:
+    """RMSNorm(residual) by add_rmsnorm with no delta."""
+    h = poisoned_bf16((rows, hidden))
+    launch(kernels.add_rmsnorm, (rows, 1), (256, 1, 1), residual, np.uintp(0), norm_weight, h, i32(np.arange(rows)),
+           np.int32(hidden), np.float32(1e-5))
+    return h
+
+
 # The fused GEMVs (gemv.cu) against the kernels they replace, bit for bit.
 @pytest.mark.parametrize("rows, hidden, d_out", [(1, 2048, 3072), (3, 576, 1536), (2, 64, 40)])
 @pytest.mark.parametrize("blocks", [None, 2])
@@ -258,18 +267,31 @@ def test_gemv_rmsnorm_equals_add_rmsnorm_then_gemv(kernels, rows, hidden, d_out,
     norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
     w = up_bf16(RNG.standard_normal((d_out, hidden)).astype(np.float32) / np.sqrt(hidden))
     res_gpu = gpuarray.to_gpu(residual)
-    h = poisoned_bf16((rows, hidden))
-    launch(kernels.add_rmsnorm, (rows, 1), (256, 1, 1), res_gpu, np.uintp(0), norm_weight, h, i32(np.arange(rows)),
-           np.int32(hidden), np.float32(1e-5))
-    expected = separate_gemv(kernels, h, w, rows, hidden, d_out).get()
+    expected = separate_gemv(kernels, separate_rmsnorm(kernels, res_gpu, norm_weight, rows, hidden), w, rows, hidden, d_out)
     y = poisoned_bf16((rows, d_out))
     launch(kernels.gemv_rmsnorm, *gemv_grid(d_out, blocks), y, res_gpu, norm_weight, np.float32(1e-5), w, np.int32(rows),
            np.int32(hidden), np.int32(d_out), shared_size=rows * hidden * 2)
-    assert np.array_equal(y.get(), expected)
+    assert np.array_equal(y.get(), expected.get())
     assert np.array_equal(res_gpu.get(), residual)  # read, not written
 
 
-@pytest.mark.parametrize("rows, d_in, hidden", [(1, 2048, 2048), (3, 576, 576), (2, 24, 40)])
+@pytest.mark.parametrize("rows, hidden, inter", [(1, 2048, 8192), (3, 576, 1536), (2, 64, 40)])
+@pytest.mark.parametrize("blocks", [None, 2])
+def test_gemv_rmsnorm_silu_equals_add_rmsnorm_then_gemv_then_silu(kernels, rows, hidden, inter, blocks):
+    residual = gpuarray.to_gpu(bf16(RNG.standard_normal((rows, hidden)).astype(np.float32)))
+    norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
+    # gate rows, then up rows; scaled so that the gates spread over SiLU's curve
+    w = up_bf16(RNG.standard_normal((2 * inter, hidden)).astype(np.float32) * 3 / np.sqrt(hidden))
+    gate_up = separate_gemv(kernels, separate_rmsnorm(kernels, residual, norm_weight, rows, hidden), w, rows, hidden, 2 * inter)
+    expected = poisoned_bf16((rows, inter))
+    launch(kernels.silu_and_mul, (-(-inter // (8 * 256)), rows), (256, 1, 1), expected, gate_up, np.int32(inter))
+    act = poisoned_bf16((rows, inter))
+    launch(kernels.gemv_rmsnorm_silu, *gemv_grid(inter, blocks), act, residual, norm_weight, np.float32(1e-5), w,
+           np.int32(rows), np.int32(hidden), np.int32(inter), shared_size=rows * hidden * 2)
+    assert np.array_equal(act.get(), expected.get())
+
+
+@pytest.mark.parametrize("rows, d_in, hidden", [(1, 2048, 2048), (1, 8192, 2048), (3, 576, 576), (2, 24, 40)])
 @pytest.mark.parametrize("blocks", [None, 2])
 def test_gemv_add_equals_gemv_then_residual_add(kernels, rows, d_in, hidden, blocks):
     residual = bf16(RNG.standard_normal((rows, hidden)).astype(np.float32))
@@ -279,22 +301,6 @@ def test_gemv_add_equals_gemv_then_residual_add(kernels, rows, d_in, hidden, blo
     separate_add(kernels, expected, separate_gemv(kernels, x, w, rows, d_in, hidden), rows, hidden)
     got = gpuarray.to_gpu(residual)
     launch(kernels.gemv_add, *gemv_grid(hidden, blocks), got, x, w, np.int32(rows), np.int32(d_in), np.int32(hidden))
-    assert np.array_equal(got.get(), expected.get())
-
-
-@pytest.mark.parametrize("rows, inter, hidden", [(1, 8192, 2048), (2, 8192, 2048), (3, 1536, 576)])
-@pytest.mark.parametrize("blocks", [None, 2])
-def test_gemv_silu_add_equals_silu_then_gemv_then_residual_add(kernels, rows, inter, hidden, blocks):
-    residual = bf16(RNG.standard_normal((rows, hidden)).astype(np.float32))
-    gate_up = up_bf16(RNG.standard_normal((rows, 2 * inter)).astype(np.float32) * 3)
-    w = up_bf16(RNG.standard_normal((hidden, inter)).astype(np.float32) / np.sqrt(inter))
-    act = poisoned_bf16((rows, inter))
-    launch(kernels.silu_and_mul, (-(-inter // (8 * 256)), rows), (256, 1, 1), act, gate_up, np.int32(inter))
-    expected = gpuarray.to_gpu(residual)
-    separate_add(kernels, expected, separate_gemv(kernels, act, w, rows, inter, hidden), rows, hidden)
-    got = gpuarray.to_gpu(residual)
-    launch(kernels.gemv_silu_add, *gemv_grid(hidden, blocks), got, gate_up, w, np.int32(rows), np.int32(inter), np.int32(hidden),
-           shared_size=rows * inter * 2)
     assert np.array_equal(got.get(), expected.get())
 
 
