@@ -1,4 +1,5 @@
-"""Decode attention alone (paged_attention_partial, pass 1): the K/V bytes it reads per
+"""Decode attention alone (paged_attention_partial: pass 1, and pass 2 for the tokens
+whose context spans several partitions, in the same launch): the K/V bytes it reads per
 second against the bandwidth floor, at the Llama 3.2 1B shape (32 query heads, 8 KV
 heads, head_dim 64, 16-token blocks scattered over the cache), for a few batches and
 the engine's 512-position partitions (and 64, 128 and 1024 for comparison: at small
@@ -6,8 +7,9 @@ batches shorter partitions give more blocks and shorter chains of loads).
 
     python bench/decode_attention.py [--source FILE]   # on a machine with an NVIDIA GPU
 
---source compiles another version of cuda_src/attention.cu with the same signature,
-e.g. an earlier commit's: `git show 6dcb723:cuda_src/attention.cu > /tmp/old.cu`.
+--source compiles another version of cuda_src/attention.cu with the same signature
+(since the kernel took `out` and `arrivals`), e.g. an earlier commit's:
+`git show COMMIT:cuda_src/attention.cu > /tmp/old.cu`.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def time_kernel(fn, spin, x: dict, partition: int) -> float:
     """Mean GPU time of one launch, in seconds (the launches queued behind `spin`)."""
     P, T = math.ceil(x["longest"] / partition), x["tokens"]
     acc, m, s = (gpuarray.empty(shape, np.float32) for shape in ((T, HEADS, P, HEAD_DIM), (T, HEADS, P), (T, HEADS, P)))
-    args = (acc, m, s, x["qkv"], x["k"], x["v"], x["tables"], np.int32(x["max_blocks"]), x["token_seq"], x["positions"],
+    out, arrivals = gpuarray.empty((T, HEADS * HEAD_DIM), np.uint16), gpuarray.zeros((T, KV_HEADS), np.int32)
+    args = (out, arrivals, acc, m, s, x["qkv"], x["k"], x["v"], x["tables"], np.int32(x["max_blocks"]), x["token_seq"], x["positions"],
             np.int32(HEADS), np.int32(KV_HEADS), np.int32(BLOCK), np.int32(partition), np.float32(HEAD_DIM ** -0.5))
     for _ in range(3):
         fn(*args, block=(128, 1, 1), grid=(T, KV_HEADS, P))

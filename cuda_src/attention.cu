@@ -16,8 +16,11 @@
 //
 // Pass 1 splits each token's context into partitions of `partition` positions and
 // leaves, per (token, head, partition), the unnormalised output with its softmax max
-// and sum; pass 2 (paged_attention_merge) rescales and sums the partitions. Decode
-// tokens and prompt tokens take different pass-1 kernels (below); both run on tensor
+// and sum; pass 2 (merge_partitions) rescales and sums the partitions. For prompt
+// tokens pass 2 is a kernel of its own (paged_attention_merge); the decode kernel
+// runs it itself, in the block that finishes a token's partitions last, and a token
+// whose context fits one partition skips it. Decode tokens and prompt tokens take
+// different pass-1 kernels (below); both run on tensor
 // cores (mma.sync m16n8k16: bfloat16 in, float32 accumulate), round the probabilities
 // to bfloat16 for P V (as transformers' eager attention does), and visit a token's
 // positions in an order fixed by its context alone, so that its result does not
@@ -56,6 +59,25 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem)
                  : "r"(a));
 }
 
+// Pass 2, one output element: sum_p acc_p * exp(max_p - M) / sum_p sum_p * exp(max_p - M),
+// M = max_p max_p, over the partitions that hold token t's positions 0..positions[t]:
+// the first positions[t] / partition + 1 (`spanned`; pass 1 leaves the others empty).
+// `base` indexes (token, head, partition 0) in part_max. Loads bypass L1: in the decode
+// kernel other blocks of the same launch wrote the partitions.
+__device__ __forceinline__ float merge_partitions(const float* part_acc, const float* part_max, const float* part_sum,
+                                                  size_t base, int spanned, int d) {
+    float m = -INFINITY;
+    for (int p = 0; p < spanned; p++) m = fmaxf(m, __ldcg(part_max + base + p));
+    float num = 0.f, den = 0.f;
+#pragma unroll 4
+    for (int p = 0; p < spanned; p++) {
+        const float w = __expf(__ldcg(part_max + base + p) - m);
+        num += w * __ldcg(part_acc + (base + p) * HEAD_DIM + d);
+        den += w * __ldcg(part_sum + base + p);
+    }
+    return num / den;
+}
+
 // Pass 1 for generated tokens (decode): grid (tokens, kv_heads, partitions), WARPS
 // warps. The GROUP query heads of one token are rows 0..GROUP-1 of a 16-row A tile
 // (the other rows hold nothing useful and are never written out), so one mma serves
@@ -65,6 +87,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem)
 // per row; the warps' states are merged at the end in a fixed order. Nothing is
 // prefetched: at under 96 registers five blocks fit on an SM, and their loads hide the
 // latency better than a second chunk in flight per warp would (bench/RESULTS.md).
+// Pass 2 follows in the same launch: a token whose context fits one partition stores
+// its output directly (acc / sum, what the merge computes for one partition), and
+// otherwise each partition's block counts itself in arrivals[t, kvh] once its partial
+// results are written, and the last to arrive merges the token's GROUP heads and
+// resets the count to 0 for the next launch (so arrivals is zero between launches).
+// The merge reads the partitions in order whichever block is last, so the result is
+// the same as paged_attention_merge's.
 //
 // Fragments are read with 16-byte loads by permuting the summed-over index, which
 // changes no sum: in S = Q K^T, lane quad q's k-step kk covers head dims
@@ -108,6 +137,8 @@ __device__ __forceinline__ void load_chunk(ChunkFragments& f, const bf16* __rest
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial(
+    bf16* __restrict__ out,           // [tokens, heads, HEAD_DIM]
+    int* __restrict__ arrivals,       // [tokens, kv_heads], zero
     float* __restrict__ part_acc,     // [tokens, heads, partitions, HEAD_DIM]
     float* __restrict__ part_max,     // [tokens, heads, partitions]
     float* __restrict__ part_sum,     // [tokens, heads, partitions]
@@ -214,6 +245,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
         l_s[warp][g] = l_run;
     }
     __syncthreads();
+    const int spanned = min((int)gridDim.z, positions[t] / partition + 1);  // (the partitions this launch has)
     for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += blockDim.x) {
         const int h = e / HEAD_DIM, d = e % HEAD_DIM;
         float m = -INFINITY;
@@ -228,12 +260,36 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
                 l += l_s[w][h] * weight;
             }
         }
+        if (spanned == 1) {
+            out[((size_t)t * heads + kvh * GROUP + h) * HEAD_DIM + d] = to_bf16(acc / l);
+            continue;
+        }
         const size_t part_idx = ((size_t)t * heads + kvh * GROUP + h) * gridDim.z + part;
         part_acc[part_idx * HEAD_DIM + d] = acc;
         if (d == 0) {
             part_max[part_idx] = m;
             part_sum[part_idx] = l;
         }
+    }
+    if (spanned == 1) return;
+
+    // Pass 2 in the block that completes the token's partitions (the CUDA programming
+    // guide's "last block" pattern: fence, count, fence).
+    __shared__ bool last_s;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* count = arrivals + (size_t)t * kv_heads + kvh;
+        last_s = atomicAdd(count, 1) == spanned - 1;
+        if (last_s) *count = 0;
+    }
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += blockDim.x) {
+        const int h = kvh * GROUP + e / HEAD_DIM, d = e % HEAD_DIM;
+        out[((size_t)t * heads + h) * HEAD_DIM + d] =
+            to_bf16(merge_partitions(part_acc, part_max, part_sum, ((size_t)t * heads + h) * gridDim.z, spanned, d));
     }
 }
 
@@ -399,27 +455,17 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
     }
 }
 
-// out[t, h, :] = sum_p acc_p * exp(max_p - M) / sum_p sum_p * exp(max_p - M), M = max_p max_p,
-// over the partitions that hold token t's positions 0..positions[t]: the first
-// positions[t] / partition + 1. Only those are read (pass 1 left the others empty): a
-// CUDA graph launches for its longest context (8 partitions at 4,096), and most
-// tokens span one or two. grid: (tokens, heads); block: HEAD_DIM.
+// Pass 2 for prompt tokens: out[t, h, :] for tokens first_row + blockIdx.x, over the
+// partitions their context spans (merge_partitions). A CUDA graph's launch covers its
+// longest context (8 partitions at 4,096), and most tokens span one or two.
+// grid: (tokens, heads); block: HEAD_DIM.
 extern "C" __global__ void paged_attention_merge(bf16* __restrict__ out, const float* __restrict__ part_acc,
                                                  const float* __restrict__ part_max,
                                                  const float* __restrict__ part_sum, const int* __restrict__ positions,
-                                                 int partition, int partitions) {
+                                                 int partition, int partitions, int first_row) {
     await_previous_kernel();
-    const int t = blockIdx.x, h = blockIdx.y, heads = gridDim.y, d = threadIdx.x;
+    const int t = first_row + blockIdx.x, h = blockIdx.y, heads = gridDim.y, d = threadIdx.x;
     const int spanned = min(partitions, positions[t] / partition + 1);
-    const size_t base = ((size_t)t * heads + h) * partitions;
-    float m = -INFINITY;
-    for (int p = 0; p < spanned; p++) m = fmaxf(m, part_max[base + p]);
-    float num = 0.f, den = 0.f;
-#pragma unroll 4
-    for (int p = 0; p < spanned; p++) {
-        const float w = __expf(part_max[base + p] - m);
-        num += w * part_acc[(base + p) * HEAD_DIM + d];
-        den += w * part_sum[base + p];
-    }
-    out[((size_t)t * heads + h) * HEAD_DIM + d] = to_bf16(num / den);
+    out[((size_t)t * heads + h) * HEAD_DIM + d] =
+        to_bf16(merge_partitions(part_acc, part_max, part_sum, ((size_t)t * heads + h) * partitions, spanned, d));
 }

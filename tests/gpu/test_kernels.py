@@ -132,7 +132,8 @@ def test_rope_and_cache(kernels, heads, kv_heads):
 def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size):
     """Decode tokens and prefill chunks of several sequences in one launch, over
     lengths that are not multiples of the block size and past one partition, through
-    the decode kernel (split context, merged) and through the prefill kernel (query tiles)."""
+    the decode kernel (split context, merged by the last partition's block) and
+    through the prefill kernel (query tiles, then the merge kernel)."""
     # (context before this step, tokens in this step): decode, chunked prefill, full prefill, long decode
     seqs = [(37, 1), (20, 13), (0, 45), (PARTITION * 2 + 77, 1), (PARTITION - 1, 3), (0, 300), (PARTITION - 100, 250)]
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 4
@@ -159,23 +160,28 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size):
     part_sum = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
     partials = (part_acc, part_max, part_sum, qkv_gpu, kc, vc, i32(table_arr), np.int32(max_blocks), i32(token_seq), i32(positions))
     sizes = (np.int32(heads), np.int32(kv_heads), np.int32(block_size), np.int32(PARTITION), scale)
-    if kernel == "decode":
-        launch(kernels.paged_attention_partial, (tokens, kv_heads, partitions), (ATTENTION_THREADS, 1, 1), *partials, *sizes)
+    if kernel == "decode":  # (pass 2 in the same launch)
+        arrivals = gpuarray.zeros((tokens, kv_heads), np.int32)
+        for _ in range(2):  # the second launch relies on the first leaving the arrival counts at zero
+            out = poisoned_bf16((tokens, heads * D))
+            launch(kernels.paged_attention_partial, (tokens, kv_heads, partitions), (ATTENTION_THREADS, 1, 1), out, arrivals,
+                   *partials, *sizes)
+        assert not arrivals.get().any()
     else:
         rows = prefill_query_rows(heads // kv_heads)
         starts = np.cumsum([0] + [n for _, n in seqs])
         tiles = [(r, min(rows, end - r)) for start, end in zip(starts, starts[1:]) for r in range(start, end, rows)]
         launch(kernels.prefill_attention_partial, (len(tiles), kv_heads, partitions), (PREFILL_THREADS, 1, 1), *partials,
                i32(np.ravel(tiles)), *sizes)
-    # what pass 1 left in the partitions past each token's context is never read: poison it
-    unspanned = np.arange(partitions)[None, None, :] >= (positions // PARTITION + 1)[:, None, None]
-    unspanned = np.broadcast_to(unspanned, (tokens, heads, partitions))
-    for a in (part_acc, part_max, part_sum):
-        host = a.get()
-        host[unspanned] = np.nan
-        a.set(host)
-    launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, i32(positions),
-           np.int32(PARTITION), np.int32(partitions))
+        # what pass 1 left in the partitions past each token's context is never read: poison it
+        unspanned = np.arange(partitions)[None, None, :] >= (positions // PARTITION + 1)[:, None, None]
+        unspanned = np.broadcast_to(unspanned, (tokens, heads, partitions))
+        for a in (part_acc, part_max, part_sum):
+            host = a.get()
+            host[unspanned] = np.nan
+            a.set(host)
+        launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, i32(positions),
+               np.int32(PARTITION), np.int32(partitions), np.int32(0))
     got = down_bf16(out)
     q = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     start = 0
