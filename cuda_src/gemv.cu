@@ -1,5 +1,6 @@
 #include "activation.cuh"
 #include "rmsnorm.cuh"
+#include "rope.cuh"
 
 // y[r, o] = sum_i x[r, i] * w[o, i] for the first `rows` (at most GEMV_MAX_ROWS) rows
 // of x: a linear layer for decode steps of a few tokens, which must do no more than
@@ -19,11 +20,15 @@
 // the warp, then the group's slices in order), so a row's result depends neither on
 // the rows of x beside it nor on the grid. d_in must be a multiple of 8.
 //
-// Three variants take the kernels around a layer's GEMMs into the GEMV, for steps
+// Four variants take the kernels around a layer's GEMMs into the GEMV, for steps
 // whose GEMMs are all GEMVs (a step of one token), each with the arithmetic of the
 // kernel it replaces, so that they compute bit for bit what the separate kernels do:
 //   gemv_rmsnorm:      x = RMSNorm(residual) (add_rmsnorm without a delta), staged in
 //                      shared memory by the block before the product
+//   gemv_rmsnorm_rope: the same x, w = the fused QKV projection: a group computes the
+//                      rows of one RoPE pair (i, i + half of a head) and stores them
+//                      as rope_and_cache does: q rotated in place, k rotated and v
+//                      into the paged cache
 //   gemv_rmsnorm_silu: the same x, and w = [gate | up] of 2 * d_out rows: a group
 //                      computes gate row o and up row d_out + o and stores
 //                      silu_and_mul of the two (silu_and_mul's arithmetic), so the
@@ -47,7 +52,35 @@ __host__ __device__ __forceinline__ int gemv_split(int d_in) {
 #define GEMV_BOUNDS __launch_bounds__(GEMV_WARPS * 32, 3)
 
 enum GemvInput { X_GIVEN, X_RMSNORM };
-enum GemvOutput { Y_STORE, Y_SILU_AND_MUL, Y_ADD_TO_RESIDUAL };  // Y_STORE: float32 if out_f32, else bfloat16
+enum GemvOutput { Y_STORE, Y_ROPE_AND_CACHE, Y_SILU_AND_MUL, Y_ADD_TO_RESIDUAL };  // Y_STORE: float32 if out_f32, else bfloat16
+
+// Where gemv_rmsnorm_rope's outputs go, and the rotation's inputs (as rope_and_cache's).
+struct RopeCache {
+    bf16* k_cache;  // [slots, kv_heads, head_dim]
+    bf16* v_cache;
+    const int* positions;  // of each x row
+    const int* slots;
+    const float2* cos_sin;  // [positions, head_dim / 2] (rope_cache.cu)
+    int heads, kv_heads, head_dim;
+};
+
+// Output o of gemv_rmsnorm_rope, a RoPE pair: the projection rows of dims i and
+// i + half of head o / half (q heads, then k, then v), with the sums of x-row t.
+__device__ __forceinline__ void store_rope_pair(bf16* __restrict__ qkv, const RopeCache& c, int t, int o, int pairs,
+                                                const float* sums) {
+    const int half = c.head_dim / 2, head = o / half, i = o % half;
+    const float x1 = round_bf16(sums[0]), x2 = round_bf16(sums[1]);  // (qkv's bfloat16 values)
+    const size_t cache_row = (size_t)c.slots[t] * c.kv_heads * c.head_dim;
+    if (head >= c.heads + c.kv_heads) {  // v, as it is
+        bf16* v = c.v_cache + cache_row + (size_t)(head - c.heads - c.kv_heads) * c.head_dim;
+        v[i] = to_bf16(x1);
+        v[i + half] = to_bf16(x2);
+        return;
+    }
+    bf16* x = head < c.heads ? qkv + (size_t)t * 2 * pairs + (size_t)head * c.head_dim
+                             : c.k_cache + cache_row + (size_t)(head - c.heads) * c.head_dim;
+    rope_rotate(x1, x2, c.cos_sin[(size_t)c.positions[t] * half + i], x[i], x[i + half]);
+}
 
 // UNROLL of a lane's 16-byte pieces of a weight row, from column `first` on (zeros from `end`).
 __device__ __forceinline__ void load_weights(uint4* raw, const bf16* __restrict__ w_row, int first, int end) {
@@ -122,16 +155,23 @@ __device__ __forceinline__ float group_sum(const float* acc, float (*slice_sums)
 template <GemvInput IN, GemvOutput OUT>
 __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, const void* __restrict__ src,
                                           const bf16* __restrict__ norm_weight, float eps, const bf16* __restrict__ w,
-                                          int rows, int d_in, int d_out) {
+                                          int rows, int d_in, int d_out, const RopeCache& rope = {}) {
     extern __shared__ __align__(16) bf16 staged[];  // [rows, d_in] when IN is X_RMSNORM
     __shared__ float slice_sums[GEMV_WARPS][GEMV_MAX_ROWS];
-    constexpr int PARTS = OUT == Y_SILU_AND_MUL ? 2 : 1;  // weight rows an output takes: gate row o, up row d_out + o
+    // Weight rows an output takes: a RoPE pair's two, or gate row o and up row d_out + o.
+    constexpr int PARTS = OUT == Y_ROPE_AND_CACHE || OUT == Y_SILU_AND_MUL ? 2 : 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int split = gemv_split(d_in), groups = GEMV_WARPS / split, slice = warp % split;
     const int width = (d_in / 8 + split - 1) / split * 8;  // (a multiple of 8, as the loads need)
     const int begin = slice * width, end = min(d_in, begin + width);
     const int stride = gridDim.x * groups;
-    auto weight_row = [&](int o, int part) { return w + ((size_t)part * d_out + o) * d_in; };
+    auto weight_row = [&](int o, int part) {
+        if constexpr (OUT == Y_ROPE_AND_CACHE) {
+            const int half = rope.head_dim / 2;
+            return w + ((size_t)(o / half) * rope.head_dim + o % half + part * half) * d_in;
+        }
+        return w + ((size_t)part * d_out + o) * d_in;
+    };
     int first = blockIdx.x * groups;  // the block's first output; its group's is first + warp / split
     // The weights are no earlier kernel's output: the first loads go out before the
     // wait for the previous kernel, and overlap its tail.
@@ -165,6 +205,8 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
         const size_t i = (size_t)lane * d_out + o;
         if constexpr (OUT == Y_ADD_TO_RESIDUAL) {
             static_cast<float*>(y)[i] = round_bf16(static_cast<float*>(y)[i] + round_bf16(sums[0]));
+        } else if constexpr (OUT == Y_ROPE_AND_CACHE) {
+            store_rope_pair(static_cast<bf16*>(y), rope, lane, o, d_out, sums);
         } else if constexpr (OUT == Y_SILU_AND_MUL) {
             static_cast<bf16*>(y)[i] = to_bf16(silu_and_mul1(round_bf16(sums[0]), round_bf16(sums[1])));
         } else {
@@ -185,6 +227,22 @@ extern "C" __global__ void GEMV_BOUNDS gemv_rmsnorm(bf16* __restrict__ y, const 
                                                     const bf16* __restrict__ norm_weight, float eps,
                                                     const bf16* __restrict__ w, int rows, int d_in, int d_out) {
     gemv_rows<X_RMSNORM, Y_STORE>(y, false, residual, norm_weight, eps, w, rows, d_in, d_out);
+}
+
+// qkv = RMSNorm(residual) @ w^T, then rope_and_cache: q rotated in place, k rotated and
+// v into the cache (qkv's k and v are left unwritten); d_out = qkv's width / 2 (RoPE
+// pairs); dynamic shared memory: rows * d_in * 2 bytes
+// (2 blocks an SM, not 3: at 80 registers its epilogue spills. The Llama 3.2 1B
+// projection's 1,536 pairs fill 192 blocks, fewer than 2 an SM hold.)
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) gemv_rmsnorm_rope(bf16* __restrict__ qkv, const float* __restrict__ residual,
+                                                         const bf16* __restrict__ norm_weight, float eps,
+                                                         const bf16* __restrict__ w, bf16* __restrict__ k_cache,
+                                                         bf16* __restrict__ v_cache, const int* __restrict__ positions,
+                                                         const int* __restrict__ slots, const float2* __restrict__ cos_sin,
+                                                         int heads, int kv_heads, int head_dim, int rows, int d_in,
+                                                         int d_out) {
+    gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE>(qkv, false, residual, norm_weight, eps, w, rows, d_in, d_out,
+                                           {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim});
 }
 
 // act = silu_and_mul(RMSNorm(residual) @ w^T), w = [gate | up] of 2 * d_out rows;

@@ -152,7 +152,14 @@ class CudaBackend:
             self.workspace = cuda.mem_alloc(WORKSPACE_BYTES)
             self.blas = Cublas(self.stream.handle, int(self.workspace), WORKSPACE_BYTES)
             self._upload_weights(weights)
-            self.inv_freq = gpuarray.to_gpu(config.rope_inv_freq())
+            # cos and sin of every RoPE angle the model meets (vLLM's cos_sin_cache): a
+            # position's row is read by every layer, with nothing to compute
+            half = config.head_dim // 2
+            self.cos_sin = gpuarray.empty((config.max_position_embeddings, half, 2), np.float32)
+            inv_freq = gpuarray.to_gpu(config.rope_inv_freq())
+            self.kernels.rope_cos_sin.prepared_async_call((config.max_position_embeddings, 1), (half, 1, 1), self.stream,
+                                                          _ptr(self.cos_sin), _ptr(inv_freq), np.int32(half))
+            self.stream.synchronize()
         log.info("CUDA backend on %s: %.2f GB of bfloat16 weights", self.device.name(), self.weight_bytes / 1e9)
         self.block_size = 0
         self.dummy_block = 0  # a KV block no sequence owns: padding rows of graphs use it
@@ -286,23 +293,25 @@ class CudaBackend:
 
     def _all_gemv(self, shape: StepShape) -> bool:
         """Whether every GEMM of the step is one GEMV over all its rows, whose normalised
-        input fits the GEMV's shared memory: then the layer's norms, SiLU and residual
-        adds ride in the GEMVs (gemv.cu)."""
+        input fits the GEMV's shared memory: then the layer's norms, RoPE, SiLU and
+        residual adds ride in the GEMVs (gemv.cu)."""
         return (not shape.invariant and shape.rows <= GEMV_ROWS
                 and shape.rows * 2 * self.config.hidden_size <= STAGED_INPUT_BYTES)
 
     def _fused_layer(self, k: Kernels, b: StepBuffers, shape: StepShape, layer: dict, kc: gpuarray.GPUArray,
                      vc: gpuarray.GPUArray, pending: np.uintp) -> np.uintp:
-        """One decoder layer in seven kernels where `_layer` takes ten (see _all_gemv): the
-        norms are computed by the GEMVs that read them, SiLU-and-multiply by the gate/up
-        GEMV that produces its input, and each residual add by the GEMV that produces
-        it, so none is pending."""
-        c, rows = self.config, shape.rows
+        """One decoder layer in five kernels, attention and four GEMVs (see _all_gemv): the
+        norms are computed by the GEMVs that read them; RoPE and the cache write, and
+        SiLU-and-multiply, by the GEMVs that produce their inputs; each residual add by
+        the GEMV that produces it, so none is pending."""
+        c, rows, m = self.config, shape.rows, b.meta_ptr
         H, I, eps = c.hidden_size, c.intermediate_size, np.float32(c.rms_norm_eps)
         residual = _ptr(b.residual)
-        self._gemv_call(k.gemv_rmsnorm, c.q_size + 2 * c.kv_size, rows * H * 2, _ptr(b.qkv), residual,
-                        _ptr(layer["attn_norm"]), eps, _ptr(layer["qkv"]), np.int32(rows), np.int32(H))
-        self._rope_and_attention(k, b, shape, kc, vc)
+        self._gemv_call(k.gemv_rmsnorm_rope, (c.q_size + 2 * c.kv_size) // 2, rows * H * 2, _ptr(b.qkv), residual,
+                        _ptr(layer["attn_norm"]), eps, _ptr(layer["qkv"]), _ptr(kc), _ptr(vc), m["positions"], m["slots"],
+                        _ptr(self.cos_sin), np.int32(c.num_heads), np.int32(c.num_kv_heads), np.int32(c.head_dim),
+                        np.int32(rows), np.int32(H))
+        self._attention(k, b, shape, kc, vc)
         self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.attn), _ptr(layer["o"]), np.int32(rows), np.int32(c.q_size))
         self._gemv_call(k.gemv_rmsnorm_silu, I, rows * H * 2, _ptr(b.act), residual, _ptr(layer["mlp_norm"]), eps,
                         _ptr(layer["gate_up"]), np.int32(rows), np.int32(H))
@@ -322,7 +331,7 @@ class CudaBackend:
         c = self.config
         k.rope_and_cache.prepared_async_call((shape.tokens, 1), (min(1024, (c.num_heads + c.num_kv_heads) * c.head_dim // 2), 1, 1),
                                              self.stream, _ptr(b.qkv), _ptr(kc), _ptr(vc), b.meta_ptr["positions"],
-                                             b.meta_ptr["slots"], _ptr(self.inv_freq), np.int32(c.num_heads),
+                                             b.meta_ptr["slots"], _ptr(self.cos_sin), np.int32(c.num_heads),
                                              np.int32(c.num_kv_heads), np.int32(c.head_dim))
         self._attention(k, b, shape, kc, vc)
 

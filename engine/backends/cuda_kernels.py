@@ -46,6 +46,7 @@ class Kernels:
     SIGNATURES = {
         "embedding_gather": ("embedding.cu", "PPPPi"),
         "add_rmsnorm": ("rmsnorm.cu", "PPPPPif"),
+        "rope_cos_sin": ("rope_cache.cu", "PPi"),
         "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
         "paged_attention_partial": ("attention.cu", "PPPPPPPPPiPPiiiif"),
         "paged_attention_merge": ("attention.cu", "PPPPPiii"),
@@ -54,6 +55,7 @@ class Kernels:
         "gemv": ("gemv.cu", "PiPPiii"),
         "gemv_rmsnorm": ("gemv.cu", "PPPfPiii"),
         "gemv_add": ("gemv.cu", "PPPiii"),
+        "gemv_rmsnorm_rope": ("gemv.cu", "PPPfPPPPPPiiiiii"),
         "gemv_rmsnorm_silu": ("gemv.cu", "PPPfPiii"),
         "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
         "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),

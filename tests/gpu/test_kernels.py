@@ -98,22 +98,51 @@ def test_add_rmsnorm(kernels, tokens, hidden, with_delta):
     assert rel_l2(updated[rows], expected_res[rows]) < TOL
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (9, 3)])
-def test_rope_and_cache(kernels, heads, kv_heads):
+def llama3_inv_freq(head_dim: int) -> np.ndarray:
+    """RoPE inverse frequencies with Llama 3's scaling (rope_theta 500000, factor 32)."""
     from engine.config import ModelConfig, RopeScaling
 
-    D, tokens, slots_total = 64, 23, 200
-    cfg = ModelConfig(hidden_size=heads * D, num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
+    cfg = ModelConfig(hidden_size=head_dim, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=head_dim,
                       intermediate_size=1, vocab_size=1, max_position_embeddings=131072, rms_norm_eps=1e-5,
                       rope_theta=500000.0, rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192))
-    inv_freq = cfg.rope_inv_freq()
+    return cfg.rope_inv_freq()
+
+
+def cos_sin_table(kernels, inv_freq: np.ndarray, positions: int) -> gpuarray.GPUArray:
+    """rope_cos_sin's table for positions 0..positions-1."""
+    table = gpuarray.empty((positions, len(inv_freq), 2), np.float32)
+    launch(kernels.rope_cos_sin, (positions, 1), (len(inv_freq), 1, 1), table, gpuarray.to_gpu(inv_freq),
+           np.int32(len(inv_freq)))
+    return table
+
+
+def rope_and_cache_block(heads: int, kv_heads: int, D: int) -> tuple[int, int, int]:
+    return min(1024, (heads + kv_heads) * D // 2), 1, 1
+
+
+def test_rope_cos_sin_table(kernels):
+    """Every position the model takes, the last ones past sincosf's fast range included."""
+    inv_freq = llama3_inv_freq(64)
+    table = cos_sin_table(kernels, inv_freq, 131072).get()
+    positions = np.array([0, 1, 4999, 105616, 131071])
+    angles = (positions[:, None].astype(np.float32) * inv_freq[None, :]).astype(np.float64)  # float32 products, as transformers
+    expected = np.stack([np.cos(angles), np.sin(angles)], axis=-1)
+    assert np.abs(table[positions] - expected).max() < 2.0 ** -8  # (bfloat16 rounding of values up to 1)
+    assert np.array_equal(bf16(table), table)  # rounded to bfloat16, as transformers' cos and sin
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (9, 3)])
+def test_rope_and_cache(kernels, heads, kv_heads):
+    D, tokens, slots_total = 64, 23, 200
+    inv_freq = llama3_inv_freq(D)
     qkv = RNG.standard_normal((tokens, (heads + 2 * kv_heads) * D)).astype(np.float32)
     positions = RNG.integers(0, 5000, tokens)
     slots = RNG.permutation(slots_total)[:tokens]
     qkv_gpu = up_bf16(qkv)
     k_cache, v_cache = poisoned_bf16((slots_total, kv_heads, D)), poisoned_bf16((slots_total, kv_heads, D))
-    launch(kernels.rope_and_cache, (tokens, 1), (min(1024, (heads + kv_heads) * D // 2), 1, 1), qkv_gpu, k_cache, v_cache,
-           i32(positions), i32(slots), gpuarray.to_gpu(inv_freq), np.int32(heads), np.int32(kv_heads), np.int32(D))
+    launch(kernels.rope_and_cache, (tokens, 1), rope_and_cache_block(heads, kv_heads, D), qkv_gpu, k_cache, v_cache,
+           i32(positions), i32(slots), cos_sin_table(kernels, inv_freq, 5000), np.int32(heads), np.int32(kv_heads),
+           np.int32(D))
     cos, sin = ref.rope_cos_sin(positions, inv_freq)
     q_in = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     k_in = bf16(qkv)[:, heads * D : (heads + kv_heads) * D].reshape(tokens, kv_heads, D)
@@ -279,6 +308,35 @@ def test_gemv_rmsnorm_equals_add_rmsnorm_then_gemv(kernels, rows, hidden, d_out,
            np.int32(hidden), np.int32(d_out), shared_size=rows * hidden * 2)
     assert np.array_equal(y.get(), expected.get())
     assert np.array_equal(res_gpu.get(), residual)  # read, not written
+
+
+# (Llama 3.2 1B, SmolLM2-135M and Llama 3.2 3B's attention shapes)
+@pytest.mark.parametrize("rows, heads, kv_heads, D, hidden", [(1, 32, 8, 64, 2048), (3, 9, 3, 64, 576),
+                                                             (2, 24, 8, 128, 3072)])
+@pytest.mark.parametrize("blocks", [None, 2])
+def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(kernels, rows, heads, kv_heads, D, hidden, blocks):
+    residual = gpuarray.to_gpu(bf16(RNG.standard_normal((rows, hidden)).astype(np.float32)))
+    norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
+    width, slots_total = (heads + 2 * kv_heads) * D, 64
+    w = up_bf16(RNG.standard_normal((width, hidden)).astype(np.float32) / np.sqrt(hidden))
+    positions, slots = i32(RNG.integers(0, 5000, rows)), i32(RNG.permutation(slots_total)[:rows])
+    cos_sin = cos_sin_table(kernels, llama3_inv_freq(D), 5000)
+
+    def caches() -> tuple[gpuarray.GPUArray, gpuarray.GPUArray]:
+        return poisoned_bf16((slots_total, kv_heads, D)), poisoned_bf16((slots_total, kv_heads, D))
+    expected_qkv = separate_gemv(kernels, separate_rmsnorm(kernels, residual, norm_weight, rows, hidden), w, rows, hidden, width)
+    expected_k, expected_v = caches()
+    launch(kernels.rope_and_cache, (rows, 1), rope_and_cache_block(heads, kv_heads, D), expected_qkv, expected_k, expected_v,
+           positions, slots, cos_sin, np.int32(heads), np.int32(kv_heads), np.int32(D))
+    qkv = poisoned_bf16((rows, width))
+    k_cache, v_cache = caches()
+    launch(kernels.gemv_rmsnorm_rope, *gemv_grid(width // 2, blocks), qkv, residual, norm_weight, np.float32(1e-5), w,
+           k_cache, v_cache, positions, slots, cos_sin, np.int32(heads), np.int32(kv_heads), np.int32(D), np.int32(rows),
+           np.int32(hidden), np.int32(width // 2), shared_size=rows * hidden * 2)
+    q = heads * D
+    assert np.array_equal(qkv.get()[:, :q], expected_qkv.get()[:, :q])  # q, rotated in place
+    assert np.array_equal(k_cache.get(), expected_k.get())  # k and v in their slots, and nothing else written
+    assert np.array_equal(v_cache.get(), expected_v.get())
 
 
 @pytest.mark.parametrize("rows, hidden, inter", [(1, 2048, 8192), (3, 576, 1536), (2, 64, 40)])
