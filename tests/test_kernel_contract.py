@@ -15,9 +15,9 @@ KERNELS = sorted(ck.Kernels.SIGNATURES.items())
 
 
 def source(file: str) -> str:
-    """A .cu file without its comments and launch bounds."""
+    """A .cu file without its comments, launch bounds and cluster sizes."""
     text = re.sub(r"//[^\n]*", "", (ck.CUDA_SRC / file).read_text())
-    return re.sub(r"__launch_bounds__\([^)]*\)", "", re.sub(r"/\*.*?\*/", "", text, flags=re.S))
+    return re.sub(r"__(?:launch_bounds|cluster_dims)__\([^)]*\)", "", re.sub(r"/\*.*?\*/", "", text, flags=re.S))
 
 
 def parameters(file: str, name: str) -> list[str]:
@@ -59,12 +59,13 @@ def test_every_kernel_is_prepared():
 
 
 def test_launch_geometry_matches_the_sources():
-    attention, gemv = defines("attention.cu"), defines("gemv.cu")
+    attention, gemv, sampling = defines("attention.cu"), defines("gemv.cu"), defines("sampling.cu")
     assert ck.ATTENTION_THREADS == attention["WARPS"] * 32
     assert (ck.PREFILL_THREADS, ck.PREFILL_M_TILE, ck.MAX_PART_BLOCKS) == (
         attention["PREFILL_THREADS"], attention["M_TILE"], attention["MAX_PART_BLOCKS"])
     assert (ck.GEMV_MAX_ROWS, ck.GEMV_WARPS) == (gemv["GEMV_MAX_ROWS"], gemv["GEMV_WARPS"])
     assert ck.GEMV_SLICE == gemv["SPAN"] * gemv["UNROLL"]
+    assert (ck.SAMPLE_CLUSTER, ck.SAMPLE_THREADS) == (sampling["SAMPLE_CLUSTER"], sampling["SAMPLE_THREADS"])
 
 
 @pytest.mark.parametrize("d_in, split", [(576, 1), (2048, 1), (4095, 1), (4096, 2), (8192, 4), (16384, 8), (65536, 8)])

@@ -25,7 +25,8 @@ from pycuda.tools import DeviceMemoryPool
 from engine.backends.cublas import Cublas, CublasError
 from engine.backends.cuda_graph import CudaGraph
 from engine.backends.cuda_kernels import (ATTENTION_THREADS, GEMV_WARPS, MAX_PART_BLOCKS, PARTITION, PREFILL_THREADS,
-                                          STAGED_INPUT_BYTES, Kernels, blocks_per_sm, gemv_split, prefill_query_rows)
+                                          SAMPLE_CLUSTER, SAMPLE_THREADS, STAGED_INPUT_BYTES, Kernels, blocks_per_sm,
+                                          gemv_split, prefill_query_rows)
 from engine.backends.step_metadata import (FIELDS, GENERATED_TILE, StepShape, build_metadata, decode_shape, field_sizes,
                                            step_shape)
 from engine.config import ModelConfig
@@ -445,8 +446,8 @@ class CudaBackend:
         ])
         uploaded = self._upload(fields, np.int32)
         args = [np.uintp(int(uploaded.gpudata) + 4 * S * i) for i in range(len(fields))]
-        self.kernels.sample_tokens.prepared_async_call((S, 1), (1024, 1, 1), st, _ptr(self.sampled), _ptr(logits),
-                                                       np.int32(V), *args)
+        self.kernels.sample_tokens.prepared_async_call((SAMPLE_CLUSTER, S), (SAMPLE_THREADS, 1, 1), st, _ptr(self.sampled),
+                                                       _ptr(logits), np.int32(V), *args)
         tokens = tokens_host[:S]
         cuda.memcpy_dtoh_async(tokens, self.sampled.gpudata, st)
 

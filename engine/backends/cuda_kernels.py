@@ -14,6 +14,7 @@ PREFILL_THREADS, PREFILL_M_TILE = 128, 64  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
 GEMV_MAX_ROWS, GEMV_WARPS = 8, 8  # as in gemv.cu
 GEMV_SLICE = 2048  # columns of one warp's loads (SPAN * UNROLL in gemv.cu)
+SAMPLE_CLUSTER, SAMPLE_THREADS = 8, 1024  # blocks a row and threads a block of sample_tokens (sampling.cu)
 STAGED_INPUT_BYTES = 47 * 1024  # gemv.cu's staged input: 48 KB a block takes without opting in, less its static shared memory
 
 

@@ -20,7 +20,7 @@ import pycuda.gpuarray as gpuarray  # noqa: E402
 from engine.backends import numpy_backend as ref  # noqa: E402
 from engine.backends.cublas import Cublas  # noqa: E402
 from engine.backends.cuda_kernels import (  # noqa: E402
-    ATTENTION_THREADS, GEMV_WARPS, PARTITION, PREFILL_THREADS, Kernels, prefill_query_rows,
+    ATTENTION_THREADS, GEMV_WARPS, PARTITION, PREFILL_THREADS, SAMPLE_CLUSTER, SAMPLE_THREADS, Kernels, prefill_query_rows,
 )
 from engine.sampler import apply_penalties  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -372,7 +372,7 @@ def sample_gpu(kernels, logits: np.ndarray, params: list[SamplingParams], seeds,
     S, V = logits.shape
     out = gpuarray.to_gpu(np.full(S, -1, np.int32))
     f32 = lambda v: gpuarray.to_gpu(np.asarray(v, np.float32))  # noqa: E731
-    launch(kernels.sample_tokens, (S, 1), (1024, 1, 1), out, gpuarray.to_gpu(logits), np.int32(V),
+    launch(kernels.sample_tokens, (SAMPLE_CLUSTER, S), (SAMPLE_THREADS, 1, 1), out, gpuarray.to_gpu(logits), np.int32(V),
            f32([p.temperature for p in params]), f32([p.top_p for p in params]), i32([p.top_k for p in params]),
            f32([p.min_p for p in params]), gpuarray.to_gpu(np.asarray(seeds, np.uint32)),
            gpuarray.to_gpu(np.zeros(S, np.uint32)), i32(steps))
