@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.backends.step_metadata import (
-    FIELDS, GENERATED_TILE, PROMPT_TILE, StepShape, build_metadata, decode_shape, field_sizes, step_shape,
+    FIELDS, GENERATED_TILE, PARTITION, PROMPT_TILE, SMALL_DECODE, SMALL_DECODE_PARTITION, StepShape, attention_partition,
+    build_metadata, decode_shape, field_sizes, step_shape,
 )
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
@@ -75,9 +76,9 @@ def batches(draw):
 @settings(max_examples=200, deadline=None)
 @given(batches(), st.integers(0, 5), st.booleans())
 def test_metadata_matches_the_per_token_definition(batch, padding, invariant):
-    shape = step_shape(batch, partition=512, query_rows=QUERY_ROWS, invariant=invariant)
+    shape = step_shape(batch, query_rows=QUERY_ROWS, invariant=invariant)
     if padding and all(s.num_tokens == 1 and s.samples and s.start >= len(s.seq.prompt_ids) for s in batch):
-        shape = decode_shape(len(batch) + padding, max_blocks=shape.max_blocks + 2, partitions=8, invariant=invariant)  # a graph's
+        shape = decode_shape(len(batch) + padding, max_blocks=shape.max_blocks + 2, max_context=4096, invariant=invariant)  # a graph's
     previous = {s.seq: 7 * i + 2 for i, s in enumerate(batch)}  # (any distinct places)
     got = build_metadata(batch, shape, BLOCK, DUMMY, QUERY_ROWS, previous)
     expected = naive(batch, shape, previous)
@@ -98,14 +99,14 @@ def test_sequence_token_slices():
 
 def test_an_empty_batch_is_all_padding():
     """(what a graph is captured with)"""
-    shape = decode_shape(3, max_blocks=2, partitions=8, invariant=True)
+    shape = decode_shape(3, max_blocks=2, max_context=4096, invariant=True)
     f = naive([], shape)
     assert build_metadata([], shape, BLOCK, DUMMY, QUERY_ROWS).tolist() == [v for name in FIELDS for v in f[name]]
 
 
 @given(batches())
 def test_invariant_gemm_tiles_cover_the_rows_by_class(batch):
-    shape = step_shape(batch, partition=512, query_rows=QUERY_ROWS, invariant=True)
+    shape = step_shape(batch, query_rows=QUERY_ROWS, invariant=True)
     tiles = shape.gemm_tiles()
     assert [r for r, _ in tiles] == sorted(r for r, _ in tiles)
     assert sum(n for _, n in tiles) == shape.rows >= shape.tokens
@@ -116,7 +117,25 @@ def test_invariant_gemm_tiles_cover_the_rows_by_class(batch):
 
 @given(batches())
 def test_one_gemm_over_unpadded_rows_by_default(batch):
-    shape = step_shape(batch, partition=512, query_rows=QUERY_ROWS, invariant=False)
+    shape = step_shape(batch, query_rows=QUERY_ROWS, invariant=False)
     assert shape.rows == shape.tokens == sum(s.num_tokens for s in batch)
     assert shape.gemm_tiles() == [(0, shape.tokens)]
     assert shape.head_tiles() == ([(0, shape.samples)] if shape.samples else [])
+
+
+@given(batches(), st.booleans())
+def test_attention_partitions_cover_the_longest_context(batch, invariant):
+    shape = step_shape(batch, query_rows=QUERY_ROWS, invariant=invariant)
+    longest = max(s.start + s.num_tokens for s in batch)
+    assert (shape.partitions - 1) * shape.partition < longest <= shape.partitions * shape.partition
+
+
+def test_few_decodes_take_short_partitions_unless_invariant():
+    """More blocks for a decode step of a few tokens; one size where a token's sums
+    must not depend on its batch, and for steps with prompt tokens."""
+    assert attention_partition(1, 0, invariant=False) == attention_partition(SMALL_DECODE, 0, False) == SMALL_DECODE_PARTITION
+    assert attention_partition(SMALL_DECODE + 1, 0, invariant=False) == PARTITION
+    assert attention_partition(1, 5, invariant=False) == PARTITION
+    assert attention_partition(1, 0, invariant=True) == PARTITION
+    graph = decode_shape(1, max_blocks=256, max_context=4096, invariant=False)
+    assert (graph.partition, graph.partitions) == (SMALL_DECODE_PARTITION, 4096 // SMALL_DECODE_PARTITION)

@@ -24,11 +24,11 @@ from pycuda.tools import DeviceMemoryPool
 
 from engine.backends.cublas import Cublas, CublasError
 from engine.backends.cuda_graph import CudaGraph
-from engine.backends.cuda_kernels import (ATTENTION_THREADS, GEMV_WARPS, MAX_PART_BLOCKS, PARTITION, PREFILL_THREADS,
+from engine.backends.cuda_kernels import (ATTENTION_THREADS, GEMV_WARPS, MAX_PART_BLOCKS, PREFILL_THREADS,
                                           SAMPLE_CLUSTER, SAMPLE_THREADS, STAGED_INPUT_BYTES, Kernels, blocks_per_sm,
                                           gemv_split, prefill_query_rows)
-from engine.backends.step_metadata import (FIELDS, GENERATED_TILE, StepShape, build_metadata, decode_shape, field_sizes,
-                                           step_shape)
+from engine.backends.step_metadata import (FIELDS, GENERATED_TILE, PARTITION, StepShape, build_metadata, decode_shape,
+                                           field_sizes, step_shape)
 from engine.config import ModelConfig
 from engine.sampler import SampleOutput, TokenLogprob, log_softmax
 from engine.scheduler import ScheduledSeq
@@ -47,15 +47,27 @@ def _ptr(a) -> np.uintp:
 
 class StepBuffers:
     """Device memory for one step of a given shape: int32 metadata, then activations.
-    With `within`, views of the leading rows of its buffers instead, for a step of fewer
-    rows and as many partitions: CUDA graphs run one at a time on one stream, so all of
-    them share the buffers of the largest."""
+    With `within`, views of the leading elements of flat buffers instead (`shared`):
+    CUDA graphs run one at a time on one stream, so all of them share one set."""
 
-    def __init__(self, c: ModelConfig, shape: StepShape, empty=None, within: StepBuffers | None = None):
+    def __init__(self, c: ModelConfig, shape: StepShape, empty=None, within: dict[str, gpuarray.GPUArray] | None = None):
+        for name, (dims, dtype) in self.layout(c, shape).items():
+            setattr(self, name, empty(dims, dtype) if within is None else within[name][: math.prod(dims)].reshape(dims))
+        offsets = np.cumsum([0] + field_sizes(shape))
+        self.meta_ptr = {name: np.uintp(int(self.meta.gpudata) + 4 * int(o)) for name, o in zip(FIELDS, offsets)}
+
+    @staticmethod
+    def shared(c: ModelConfig, shapes: list[StepShape]) -> dict[str, gpuarray.GPUArray]:
+        """A flat buffer per name, as large as the largest of `shapes` needs, for `within`."""
+        layouts = [StepBuffers.layout(c, s) for s in shapes]
+        return {name: gpuarray.empty(max(math.prod(layout[name][0]) for layout in layouts), dtype)
+                for name, (_, dtype) in layouts[0].items()}
+
+    @staticmethod
+    def layout(c: ModelConfig, shape: StepShape) -> dict[str, tuple[tuple[int, ...], type]]:
         T, P, rows, sample_rows = shape.tokens, shape.partitions, shape.rows, max(1, shape.head_rows)
-        sizes = field_sizes(shape)
-        layout = {
-            "meta": ((sum(sizes),), np.int32),
+        return {
+            "meta": ((sum(field_sizes(shape)),), np.int32),
             "residual": ((T, c.hidden_size), np.float32),
             "h": ((rows, c.hidden_size), np.uint16),
             "qkv": ((rows, c.q_size + 2 * c.kv_size), np.uint16),
@@ -69,10 +81,6 @@ class StepBuffers:
             "final": ((sample_rows, c.hidden_size), np.uint16),
             "logits": ((sample_rows, c.vocab_size), np.float32),
         }
-        for name, (dims, dtype) in layout.items():
-            setattr(self, name, empty(dims, dtype) if within is None else getattr(within, name)[: dims[0]])
-        offsets = np.cumsum([0] + sizes)
-        self.meta_ptr = {name: np.uintp(int(self.meta.gpudata) + 4 * int(o)) for name, o in zip(FIELDS, offsets)}
 
 
 class DecodeGraphs:
@@ -80,7 +88,7 @@ class DecodeGraphs:
     decodes (of generated tokens: prompt tokens take other GEMM tiles) whose contexts
     fit `max_context`; padding rows use the dummy KV block. The buckets are vLLM's
     (1, 2, 4, then every multiple of 8), so that a batch pads to at most 7 rows more;
-    all are captured up front, and share one set of buffers.
+    all are captured up front, and share one set of buffers (StepBuffers.shared).
     Replays run the same kernels as eager steps, over the bucket's rows: with batch
     invariance on they compute exactly what eager steps do."""
 
@@ -92,10 +100,10 @@ class DecodeGraphs:
         self.replays = 0
         self.kernels = Kernels(*backend.kernel_build, programmatic=True)
         start = time.perf_counter()
-        largest = self._shape(self.buckets[-1])
-        shared = StepBuffers(backend.config, largest, lambda dims, dtype: gpuarray.empty(dims, dtype))
+        shapes = {size: self._shape(size) for size in self.buckets}
+        shared = StepBuffers.shared(backend.config, list(shapes.values()))
         self.graphs: dict[int, tuple[StepShape, StepBuffers, CudaGraph]] = {
-            size: self._capture(self._shape(size), shared) for size in self.buckets}
+            size: self._capture(shape, shared) for size, shape in shapes.items()}
         log.info("captured %d CUDA graphs for decode batches of 1 to %d in %.2f s (%d programmatic launches each)",
                  len(self.buckets), max_batch, time.perf_counter() - start, self.graphs[1][2].programmatic_edges)
 
@@ -110,9 +118,9 @@ class DecodeGraphs:
         return self.graphs[self.buckets[bisect.bisect_left(self.buckets, len(batch))]]
 
     def _shape(self, size: int) -> StepShape:
-        return decode_shape(size, self.max_blocks, math.ceil(self.max_context / PARTITION), self.backend.batch_invariant)
+        return decode_shape(size, self.max_blocks, self.max_context, self.backend.batch_invariant)
 
-    def _capture(self, shape: StepShape, shared: StepBuffers):
+    def _capture(self, shape: StepShape, shared: dict[str, gpuarray.GPUArray]):
         be = self.backend
         buffers = StepBuffers(be.config, shape, within=shared)
         buffers.meta.set(be._metadata([], shape))  # all padding: valid to run
@@ -344,7 +352,7 @@ class CudaBackend:
         grid = (c.num_kv_heads, shape.partitions)
         partials = (_ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum), _ptr(b.qkv), _ptr(kc), _ptr(vc),
                     m["tables"], np.int32(shape.max_blocks), m["token_seq"], m["positions"])
-        sizes = (np.int32(c.num_heads), np.int32(c.num_kv_heads), np.int32(self.block_size), np.int32(PARTITION),
+        sizes = (np.int32(c.num_heads), np.int32(c.num_kv_heads), np.int32(self.block_size), np.int32(shape.partition),
                  np.float32(c.head_dim ** -0.5))
         decode_rows = shape.tokens - shape.prompt
         if decode_rows:
@@ -355,7 +363,8 @@ class CudaBackend:
                                                             *partials, m["prompt_tiles"], *sizes)
             k.paged_attention_merge.prepared_async_call((shape.prompt, c.num_heads), (c.head_dim, 1, 1), st, _ptr(b.attn),
                                                         _ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum), m["positions"],
-                                                        np.int32(PARTITION), np.int32(shape.partitions), np.int32(decode_rows))
+                                                        np.int32(shape.partition), np.int32(shape.partitions),
+                                                        np.int32(decode_rows))
 
     def _forward(self, batch: list[ScheduledSeq]) -> gpuarray.GPUArray:
         """Run the step's tokens; return float32 logits [sampling sequences, vocab] on the GPU."""
@@ -365,7 +374,7 @@ class CudaBackend:
             buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
             replay.launch()
             return buffers.logits[: len(batch)]
-        shape = step_shape(batch, PARTITION, self.query_rows, self.batch_invariant)
+        shape = step_shape(batch, self.query_rows, self.batch_invariant)
         buffers = StepBuffers(self.config, shape, self._empty)
         buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
         self._launch(buffers, shape, self.kernels)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
-PARTITION = 512  # context positions per attention thread block
 ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS, PREFILL_M_TILE = 128, 64  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu

@@ -31,6 +31,8 @@ from engine.sequence import PENDING, Sequence
 
 GENERATED_TILE = 64  # at 64 rows a bf16 GEMM is still bound by reading the weights
 PROMPT_TILE = 256
+PARTITION = 512  # context positions per attention partition (a thread block of the attention kernels each)
+SMALL_DECODE, SMALL_DECODE_PARTITION = 8, 128  # decode steps of up to 8 tokens: 4 times the blocks
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,8 @@ class StepShape:
     samples: int  # rows that reach the head (the last token of each finishing sequence)
     seqs: int  # block-table rows
     max_blocks: int  # block-table width
-    partitions: int  # decode attention partitions
+    partition: int  # context positions per attention partition (attention_partition)
+    partitions: int  # attention partitions of the longest context
     invariant: bool  # GEMMs in fixed tiles (batch invariance), not one over all rows
 
     @property
@@ -98,10 +101,19 @@ def _prompt_counts(starts: np.ndarray, counts: np.ndarray, prompt_lens: np.ndarr
     return np.maximum(0, np.minimum(starts + counts, prompt_lens) - starts)
 
 
-def step_shape(batch: list[ScheduledSeq], partition: int, query_rows: int, invariant: bool) -> StepShape:
+def attention_partition(generated: int, prompt: int, invariant: bool) -> int:
+    """Context positions per attention partition. A decode step of a few tokens takes
+    shorter partitions, so that its attention spreads over more thread blocks, each
+    with a shorter chain of loads (bench/decode_attention.py); with batch invariance
+    every step takes PARTITION, since a token's sums depend on its partitions."""
+    return SMALL_DECODE_PARTITION if not invariant and not prompt and generated <= SMALL_DECODE else PARTITION
+
+
+def step_shape(batch: list[ScheduledSeq], query_rows: int, invariant: bool) -> StepShape:
     starts, counts, prompt_lens = _columns(batch)
     prompt = _prompt_counts(starts, counts, prompt_lens)
     generated = int(counts.sum() - prompt.sum())
+    partition = attention_partition(generated, int(prompt.sum()), invariant)
     return StepShape(
         generated=generated,
         generated_rows=_round_up(generated, GENERATED_TILE if invariant else 1),
@@ -110,16 +122,19 @@ def step_shape(batch: list[ScheduledSeq], partition: int, query_rows: int, invar
         samples=sum(s.samples for s in batch),
         seqs=len(batch),
         max_blocks=max(len(s.seq.block_table) for s in batch),
+        partition=partition,
         partitions=math.ceil(int((starts + counts).max()) / partition),
         invariant=invariant,
     )
 
 
-def decode_shape(batch_size: int, max_blocks: int, partitions: int, invariant: bool) -> StepShape:
-    """The shape of a CUDA graph's decode step: `batch_size` sampling decodes."""
+def decode_shape(batch_size: int, max_blocks: int, max_context: int, invariant: bool) -> StepShape:
+    """The shape of a CUDA graph's decode step: `batch_size` sampling decodes of
+    contexts up to `max_context`."""
+    partition = attention_partition(batch_size, 0, invariant)
     return StepShape(generated=batch_size, generated_rows=_round_up(batch_size, GENERATED_TILE if invariant else 1),
                      prompt=0, prompt_tiles=0, samples=batch_size, seqs=batch_size, max_blocks=max_blocks,
-                     partitions=partitions, invariant=invariant)
+                     partition=partition, partitions=math.ceil(max_context / partition), invariant=invariant)
 
 
 def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int, dummy_block: int,

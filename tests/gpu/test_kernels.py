@@ -20,8 +20,9 @@ import pycuda.gpuarray as gpuarray  # noqa: E402
 from engine.backends import numpy_backend as ref  # noqa: E402
 from engine.backends.cublas import Cublas  # noqa: E402
 from engine.backends.cuda_kernels import (  # noqa: E402
-    ATTENTION_THREADS, GEMV_WARPS, PARTITION, PREFILL_THREADS, SAMPLE_CLUSTER, SAMPLE_THREADS, Kernels, prefill_query_rows,
+    ATTENTION_THREADS, GEMV_WARPS, PREFILL_THREADS, SAMPLE_CLUSTER, SAMPLE_THREADS, Kernels, prefill_query_rows,
 )
+from engine.backends.step_metadata import PARTITION, SMALL_DECODE_PARTITION  # noqa: E402
 from engine.sampler import apply_penalties  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.weights import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
@@ -158,7 +159,8 @@ def test_rope_and_cache(kernels, heads, kv_heads):
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 @pytest.mark.parametrize("heads, kv_heads, D", [(32, 8, 64), (9, 3, 64), (24, 8, 128)])  # Llama 3.2 1B, SmolLM2, 3B
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size):
+@pytest.mark.parametrize("partition", [PARTITION, SMALL_DECODE_PARTITION])
+def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, partition):
     """Decode tokens and prefill chunks of several sequences in one launch, over
     lengths that are not multiples of the block size and past one partition, through
     the decode kernel (split context, merged by the last partition's block) and
@@ -183,12 +185,12 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size):
     kc, vc, qkv_gpu = up_bf16(k_cache), up_bf16(v_cache), up_bf16(qkv)
     scale = np.float32(D ** -0.5)
     kernels = kernels_for(heads // kv_heads, D)
-    partitions = -(-max(c + n for c, n in seqs) // PARTITION)
+    partitions = -(-max(c + n for c, n in seqs) // partition)
     part_acc = gpuarray.to_gpu(np.full((tokens, heads, partitions, D), np.nan, np.float32))
     part_max = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
     part_sum = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
     partials = (part_acc, part_max, part_sum, qkv_gpu, kc, vc, i32(table_arr), np.int32(max_blocks), i32(token_seq), i32(positions))
-    sizes = (np.int32(heads), np.int32(kv_heads), np.int32(block_size), np.int32(PARTITION), scale)
+    sizes = (np.int32(heads), np.int32(kv_heads), np.int32(block_size), np.int32(partition), scale)
     if kernel == "decode":  # (pass 2 in the same launch)
         arrivals = gpuarray.zeros((tokens, kv_heads), np.int32)
         for _ in range(2):  # the second launch relies on the first leaving the arrival counts at zero
@@ -203,14 +205,14 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size):
         launch(kernels.prefill_attention_partial, (len(tiles), kv_heads, partitions), (PREFILL_THREADS, 1, 1), *partials,
                i32(np.ravel(tiles)), *sizes)
         # what pass 1 left in the partitions past each token's context is never read: poison it
-        unspanned = np.arange(partitions)[None, None, :] >= (positions // PARTITION + 1)[:, None, None]
+        unspanned = np.arange(partitions)[None, None, :] >= (positions // partition + 1)[:, None, None]
         unspanned = np.broadcast_to(unspanned, (tokens, heads, partitions))
         for a in (part_acc, part_max, part_sum):
             host = a.get()
             host[unspanned] = np.nan
             a.set(host)
         launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, i32(positions),
-               np.int32(PARTITION), np.int32(partitions), np.int32(0))
+               np.int32(partition), np.int32(partitions), np.int32(0))
     got = down_bf16(out)
     q = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     start = 0
