@@ -50,6 +50,9 @@ __host__ __device__ __forceinline__ int gemv_split(int d_in) {
 }
 // At least 3 blocks an SM (24 warps, 96 KB of weights in flight).
 #define GEMV_BOUNDS __launch_bounds__(GEMV_WARPS * 32, 3)
+// The variants whose outputs take two weight rows keep both in flight (64 registers of
+// loads a thread): at least 2 blocks an SM (16 warps, 128 KB in flight); with 3 they spill.
+#define GEMV_PAIR_BOUNDS __launch_bounds__(GEMV_WARPS * 32, 2)
 
 enum GemvInput { X_GIVEN, X_RMSNORM };
 enum GemvOutput { Y_STORE, Y_ROPE_AND_CACHE, Y_SILU_AND_MUL, Y_ADD_TO_RESIDUAL };  // Y_STORE: float32 if out_f32, else bfloat16
@@ -64,22 +67,32 @@ struct RopeCache {
     int heads, kv_heads, head_dim;
 };
 
+// A row's inputs to the rotation and the cache write. Step metadata and the cos/sin
+// table are no earlier kernel's output, so the GEMV reads them before its wait.
+struct RopeRow {
+    int position;
+    size_t cache_row;  // the row's slot in the cache, in elements
+};
+
+__device__ __forceinline__ RopeRow rope_row(const RopeCache& c, int t) {
+    return {c.positions[t], (size_t)c.slots[t] * c.kv_heads * c.head_dim};
+}
+
 // Output o of gemv_rmsnorm_rope, a RoPE pair: the projection rows of dims i and
 // i + half of head o / half (q heads, then k, then v), with the sums of x-row t.
-__device__ __forceinline__ void store_rope_pair(bf16* __restrict__ qkv, const RopeCache& c, int t, int o, int pairs,
-                                                const float* sums) {
+__device__ __forceinline__ void store_rope_pair(bf16* __restrict__ qkv, const RopeCache& c, int t, const RopeRow& row,
+                                                float2 cs, int o, int pairs, const float* sums) {
     const int half = c.head_dim / 2, head = o / half, i = o % half;
     const float x1 = round_bf16(sums[0]), x2 = round_bf16(sums[1]);  // (qkv's bfloat16 values)
-    const size_t cache_row = (size_t)c.slots[t] * c.kv_heads * c.head_dim;
     if (head >= c.heads + c.kv_heads) {  // v, as it is
-        bf16* v = c.v_cache + cache_row + (size_t)(head - c.heads - c.kv_heads) * c.head_dim;
+        bf16* v = c.v_cache + row.cache_row + (size_t)(head - c.heads - c.kv_heads) * c.head_dim;
         v[i] = to_bf16(x1);
         v[i + half] = to_bf16(x2);
         return;
     }
     bf16* x = head < c.heads ? qkv + (size_t)t * 2 * pairs + (size_t)head * c.head_dim
-                             : c.k_cache + cache_row + (size_t)(head - c.heads) * c.head_dim;
-    rope_rotate(x1, x2, c.cos_sin[(size_t)c.positions[t] * half + i], x[i], x[i + half]);
+                             : c.k_cache + row.cache_row + (size_t)(head - c.heads) * c.head_dim;
+    rope_rotate(x1, x2, cs, x[i], x[i + half]);
 }
 
 // UNROLL of a lane's 16-byte pieces of a weight row, from column `first` on (zeros from `end`).
@@ -173,10 +186,21 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
         return w + ((size_t)part * d_out + o) * d_in;
     };
     int first = blockIdx.x * groups;  // the block's first output; its group's is first + warp / split
-    // The weights are no earlier kernel's output: the first loads go out before the
-    // wait for the previous kernel, and overlap its tail.
-    uint4 raw[UNROLL];
-    load_weights(raw, weight_row(min(first + warp / split, d_out - 1), 0), begin + lane * 8, end);
+    // The weights are no earlier kernel's output: the first loads of the group's first
+    // output (of each of its rows) go out before the wait for the previous kernel, and
+    // overlap its tail; then each part keeps the next output's row in flight.
+    uint4 raw[PARTS][UNROLL];
+    const int first_o = min(first + warp / split, d_out - 1);
+#pragma unroll
+    for (int part = 0; part < PARTS; part++) load_weights(raw[part], weight_row(first_o, part), begin + lane * 8, end);
+    RopeRow row{};
+    float2 first_cs{};
+    if constexpr (OUT == Y_ROPE_AND_CACHE) {
+        if (slice == 0 && lane < rows) {
+            row = rope_row(rope, lane);
+            first_cs = rope.cos_sin[(size_t)row.position * (rope.head_dim / 2) + first_o % (rope.head_dim / 2)];
+        }
+    }
     await_previous_kernel();
     const bf16* x = static_cast<const bf16*>(src);
     if constexpr (IN == X_RMSNORM) {
@@ -195,9 +219,8 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
 #pragma unroll
             for (int r = 0; r < GEMV_MAX_ROWS; r++) acc[r] = 0.f;
             if (o < d_out) {
-                const bf16* next = part + 1 < PARTS ? weight_row(o, part + 1)
-                                   : o + stride < d_out ? weight_row(o + stride, 0) : nullptr;
-                gemv_slice<IN>(acc, raw, x, weight_row(o, part), next, lane, rows, begin, end, d_in);
+                const bf16* next = o + stride < d_out ? weight_row(o + stride, part) : nullptr;
+                gemv_slice<IN>(acc, raw[part], x, weight_row(o, part), next, lane, rows, begin, end, d_in);
             }
             sums[part] = group_sum(acc, slice_sums, warp, lane, slice, split, rows);
         }
@@ -206,7 +229,9 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
         if constexpr (OUT == Y_ADD_TO_RESIDUAL) {
             static_cast<float*>(y)[i] = round_bf16(static_cast<float*>(y)[i] + round_bf16(sums[0]));
         } else if constexpr (OUT == Y_ROPE_AND_CACHE) {
-            store_rope_pair(static_cast<bf16*>(y), rope, lane, o, d_out, sums);
+            const int half = rope.head_dim / 2;
+            const float2 cs = o == first_o ? first_cs : rope.cos_sin[(size_t)row.position * half + o % half];
+            store_rope_pair(static_cast<bf16*>(y), rope, lane, row, cs, o, d_out, sums);
         } else if constexpr (OUT == Y_SILU_AND_MUL) {
             static_cast<bf16*>(y)[i] = to_bf16(silu_and_mul1(round_bf16(sums[0]), round_bf16(sums[1])));
         } else {
@@ -232,9 +257,7 @@ extern "C" __global__ void GEMV_BOUNDS gemv_rmsnorm(bf16* __restrict__ y, const 
 // qkv = RMSNorm(residual) @ w^T, then rope_and_cache: q rotated in place, k rotated and
 // v into the cache (qkv's k and v are left unwritten); d_out = qkv's width / 2 (RoPE
 // pairs); dynamic shared memory: rows * d_in * 2 bytes
-// (2 blocks an SM, not 3: at 80 registers its epilogue spills. The Llama 3.2 1B
-// projection's 1,536 pairs fill 192 blocks, fewer than 2 an SM hold.)
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) gemv_rmsnorm_rope(bf16* __restrict__ qkv, const float* __restrict__ residual,
+extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope(bf16* __restrict__ qkv, const float* __restrict__ residual,
                                                          const bf16* __restrict__ norm_weight, float eps,
                                                          const bf16* __restrict__ w, bf16* __restrict__ k_cache,
                                                          bf16* __restrict__ v_cache, const int* __restrict__ positions,
@@ -247,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) gemv_rmsnorm_ro
 
 // act = silu_and_mul(RMSNorm(residual) @ w^T), w = [gate | up] of 2 * d_out rows;
 // dynamic shared memory: rows * d_in * 2 bytes
-extern "C" __global__ void GEMV_BOUNDS gemv_rmsnorm_silu(bf16* __restrict__ act, const float* __restrict__ residual,
+extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_silu(bf16* __restrict__ act, const float* __restrict__ residual,
                                                          const bf16* __restrict__ norm_weight, float eps,
                                                          const bf16* __restrict__ w, int rows, int d_in, int d_out) {
     gemv_rows<X_RMSNORM, Y_SILU_AND_MUL>(act, false, residual, norm_weight, eps, w, rows, d_in, d_out);
