@@ -1,14 +1,15 @@
-"""Decode attention alone (paged_attention_partial: pass 1, and pass 2 for the tokens
-whose context spans several partitions, in the same launch): the K/V bytes it reads per
-second against the bandwidth floor, at the Llama 3.2 1B shape (32 query heads, 8 KV
-heads, head_dim 64, 16-token blocks scattered over the cache), for a few batches and
-the engine's 512-position partitions (and 64, 128 and 1024 for comparison: at small
-batches shorter partitions give more blocks and shorter chains of loads).
+"""Decode attention alone (paged_attention_partial, then paged_attention_merge for the
+tokens whose context spans several partitions, or the decode kernel merging them
+itself, as in small decode steps): the K/V bytes it reads per second against the
+bandwidth floor, at the Llama 3.2 1B shape (32 query heads, 8 KV heads, head_dim 64,
+16-token blocks scattered over the cache), for a few batches and the engine's 512-
+and 128-position partitions (and 64 and 1024 for comparison: at small batches shorter
+partitions give more blocks and shorter chains of loads).
 
     python bench/decode_attention.py [--source FILE]   # on a machine with an NVIDIA GPU
 
---source compiles another version of cuda_src/attention.cu with the same signature
-(since the kernel took `out` and `arrivals`), e.g. an earlier commit's:
+--source compiles another version of cuda_src/attention.cu with the same signatures
+(since the decode kernel took `out` and `arrivals`), e.g. an earlier commit's:
 `git show COMMIT:cuda_src/attention.cu > /tmp/old.cu`.
 """
 
@@ -63,20 +64,28 @@ def inputs(contexts: list[int], rng: np.random.Generator) -> dict:
     }
 
 
-def time_kernel(fn, spin, x: dict, partition: int) -> float:
-    """Mean GPU time of one launch, in seconds (the launches queued behind `spin`)."""
+def time_attention(fns, spin, x: dict, partition: int, merge_in_kernel: bool) -> float:
+    """Mean GPU time of one step's decode attention, in seconds (the launches queued
+    behind `spin`)."""
+    partial, merge = fns
     P, T = math.ceil(x["longest"] / partition), x["tokens"]
     acc, m, s = (gpuarray.empty(shape, np.float32) for shape in ((T, HEADS, P, HEAD_DIM), (T, HEADS, P), (T, HEADS, P)))
     out, arrivals = gpuarray.empty((T, HEADS * HEAD_DIM), np.uint16), gpuarray.zeros((T, KV_HEADS), np.int32)
-    args = (out, arrivals, acc, m, s, x["qkv"], x["k"], x["v"], x["tables"], np.int32(x["max_blocks"]), x["token_seq"], x["positions"],
+    args = (out, arrivals if merge_in_kernel else np.uintp(0), acc, m, s, x["qkv"], x["k"], x["v"], x["tables"],
+            np.int32(x["max_blocks"]), x["token_seq"], x["positions"],
             np.int32(HEADS), np.int32(KV_HEADS), np.int32(BLOCK), np.int32(partition), np.float32(HEAD_DIM ** -0.5))
+
+    def launch() -> None:
+        partial(*args, block=(128, 1, 1), grid=(T, KV_HEADS, P))
+        if not merge_in_kernel:
+            merge(out, acc, m, s, x["positions"], np.int32(partition), np.int32(P), block=(HEAD_DIM, 1, 1), grid=(T, HEADS))
     for _ in range(3):
-        fn(*args, block=(128, 1, 1), grid=(T, KV_HEADS, P))
+        launch()
     start, end = cuda.Event(), cuda.Event()
     spin(np.int64(SPIN_CYCLES), block=(1, 1, 1), grid=(1, 1))
     start.record()
     for _ in range(REPEATS):
-        fn(*args, block=(128, 1, 1), grid=(T, KV_HEADS, P))
+        launch()
     end.record()
     end.synchronize()
     return end.time_since(start) / REPEATS / 1e3
@@ -90,20 +99,20 @@ def main() -> None:
     module = SourceModule(args.source.read_text(), no_extern_c=True, arch=f"sm_{major}{minor}",
                           options=["-O3", f"-DHEAD_DIM={HEAD_DIM}", f"-DGROUP={HEADS // KV_HEADS}"],
                           include_dirs=[str(ROOT / "cuda_src")])
-    fn = module.get_function("paged_attention_partial")
+    fns = module.get_function("paged_attention_partial"), module.get_function("paged_attention_merge")
     spin = SourceModule(SPIN_SOURCE, no_extern_c=True).get_function("spin")
-    print(f"{args.source.name}: {fn.num_regs} registers a thread, {fn.local_size_bytes} bytes of local memory")
+    print(f"{args.source.name}: {fns[0].num_regs} registers a thread, {fns[0].local_size_bytes} bytes of local memory")
     rng = np.random.default_rng(0)
     cases = {"256 x context 850": [850] * 256, "256 x context U(100, 2000)": rng.integers(100, 2001, 256).tolist(),
              "64 x context 300": [300] * 64, "1 x context 300": [300]}
-    print(f"{'batch':>26} | {'partition':>9} | {'us':>7} | {'K/V TB/s':>8} | {'floor us':>8}")
+    print(f"{'batch':>26} | {'partition':>9} | {'pass 2':>12} | {'us':>7} | {'K/V TB/s':>8} | {'floor us':>8}")
     for name, contexts in cases.items():
         x = inputs(contexts, rng)
         for partition in (64, 128, 512, 1024):
-            seconds = time_kernel(fn, spin, x, partition)
-            print(f"{name:>26} | {partition:>9} | {seconds * 1e6:7.1f} | {x['bytes'] / seconds / 1e12:8.2f} | "
-                  f"{x['bytes'] / BANDWIDTH * 1e6:8.1f}")
-
+            for merge_in_kernel in (False, True):
+                seconds = time_attention(fns, spin, x, partition, merge_in_kernel)
+                print(f"{name:>26} | {partition:>9} | {'in kernel' if merge_in_kernel else 'merge kernel':>12} | "
+                      f"{seconds * 1e6:7.1f} | {x['bytes'] / seconds / 1e12:8.2f} | {x['bytes'] / BANDWIDTH * 1e6:8.1f}")
 
 if __name__ == "__main__":
     main()

@@ -16,10 +16,10 @@
 //
 // Pass 1 splits each token's context into partitions of `partition` positions and
 // leaves, per (token, head, partition), the unnormalised output with its softmax max
-// and sum; pass 2 (merge_partitions) rescales and sums the partitions. For prompt
-// tokens pass 2 is a kernel of its own (paged_attention_merge); the decode kernel
-// runs it itself, in the block that finishes a token's partitions last, and a token
-// whose context fits one partition skips it. Decode tokens and prompt tokens take
+// and sum; pass 2 (merge_partitions) rescales and sums the partitions. Pass 2 is a
+// kernel of its own (paged_attention_merge), except in decode steps of a few tokens,
+// where the decode kernel runs it itself, in the block that finishes a token's
+// partitions last. Decode tokens and prompt tokens take
 // different pass-1 kernels (below); both run on tensor
 // cores (mma.sync m16n8k16: bfloat16 in, float32 accumulate), round the probabilities
 // to bfloat16 for P V (as transformers' eager attention does), and visit a token's
@@ -87,13 +87,16 @@ __device__ __forceinline__ float merge_partitions(const float* part_acc, const f
 // per row; the warps' states are merged at the end in a fixed order. Nothing is
 // prefetched: at under 96 registers five blocks fit on an SM, and their loads hide the
 // latency better than a second chunk in flight per warp would (bench/RESULTS.md).
-// Pass 2 follows in the same launch: a token whose context fits one partition stores
-// its output directly (acc / sum, what the merge computes for one partition), and
-// otherwise each partition's block counts itself in arrivals[t, kvh] once its partial
-// results are written, and the last to arrive merges the token's GROUP heads and
-// resets the count to 0 for the next launch (so arrivals is zero between launches).
-// The merge reads the partitions in order whichever block is last, so the result is
-// the same as paged_attention_merge's.
+// Given `arrivals`, pass 2 follows in the same launch: a token whose context fits one
+// partition stores its output directly (acc / sum, what the merge computes for one
+// partition), and otherwise each partition's block counts itself in arrivals[t, kvh]
+// once its partial results are written, and the last to arrive merges the token's
+// GROUP heads and resets the count to 0 for the next launch (so arrivals is zero
+// between launches). The merge reads the partitions in order whichever block is last,
+// so the result is the same as paged_attention_merge's. That saves a step of a few
+// tokens the merge kernel's launch; in a large step the fence and count lengthen every
+// block by more than the merge kernel takes, so there arrivals is null and
+// paged_attention_merge follows (engine/backends/cuda_backend.py).
 //
 // Fragments are read with 16-byte loads by permuting the summed-over index, which
 // changes no sum: in S = Q K^T, lane quad q's k-step kk covers head dims
@@ -138,7 +141,7 @@ __device__ __forceinline__ void load_chunk(ChunkFragments& f, const bf16* __rest
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial(
     bf16* __restrict__ out,           // [tokens, heads, HEAD_DIM]
-    int* __restrict__ arrivals,       // [tokens, kv_heads], zero
+    int* __restrict__ arrivals,       // [tokens, kv_heads], zero; null: paged_attention_merge follows
     float* __restrict__ part_acc,     // [tokens, heads, partitions, HEAD_DIM]
     float* __restrict__ part_max,     // [tokens, heads, partitions]
     float* __restrict__ part_sum,     // [tokens, heads, partitions]
@@ -260,7 +263,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
                 l += l_s[w][h] * weight;
             }
         }
-        if (spanned == 1) {
+        if (arrivals && spanned == 1) {
             out[((size_t)t * heads + kvh * GROUP + h) * HEAD_DIM + d] = to_bf16(acc / l);
             continue;
         }
@@ -271,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
             part_sum[part_idx] = l;
         }
     }
-    if (spanned == 1) return;
+    if (!arrivals || spanned == 1) return;
 
     // Pass 2 in the block that completes the token's partitions (the CUDA programming
     // guide's "last block" pattern: fence, count, fence).
@@ -455,16 +458,15 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
     }
 }
 
-// Pass 2 for prompt tokens: out[t, h, :] for tokens first_row + blockIdx.x, over the
-// partitions their context spans (merge_partitions). A CUDA graph's launch covers its
-// longest context (8 partitions at 4,096), and most tokens span one or two.
-// grid: (tokens, heads); block: HEAD_DIM.
+// Pass 2: out[t, h, :] over the partitions token t's context spans (merge_partitions).
+// A CUDA graph's launch covers its longest context (8 partitions at 4,096), and most
+// tokens span one or two. grid: (tokens, heads); block: HEAD_DIM.
 extern "C" __global__ void paged_attention_merge(bf16* __restrict__ out, const float* __restrict__ part_acc,
                                                  const float* __restrict__ part_max,
                                                  const float* __restrict__ part_sum, const int* __restrict__ positions,
-                                                 int partition, int partitions, int first_row) {
+                                                 int partition, int partitions) {
     await_previous_kernel();
-    const int t = first_row + blockIdx.x, h = blockIdx.y, heads = gridDim.y, d = threadIdx.x;
+    const int t = blockIdx.x, h = blockIdx.y, heads = gridDim.y, d = threadIdx.x;
     const int spanned = min(partitions, positions[t] / partition + 1);
     out[((size_t)t * heads + h) * HEAD_DIM + d] =
         to_bf16(merge_partitions(part_acc, part_max, part_sum, ((size_t)t * heads + h) * partitions, spanned, d));

@@ -131,11 +131,14 @@ def test_attention_partitions_cover_the_longest_context(batch, invariant):
 
 
 def test_few_decodes_take_short_partitions_unless_invariant():
-    """More blocks for a decode step of a few tokens; one size where a token's sums
-    must not depend on its batch, and for steps with prompt tokens."""
+    """More blocks for a decode step of a few tokens (whose decode kernel merges them
+    itself); one size where a token's sums must not depend on its batch, and for
+    steps with prompt tokens."""
     assert attention_partition(1, 0, invariant=False) == attention_partition(SMALL_DECODE, 0, False) == SMALL_DECODE_PARTITION
     assert attention_partition(SMALL_DECODE + 1, 0, invariant=False) == PARTITION
     assert attention_partition(1, 5, invariant=False) == PARTITION
     assert attention_partition(1, 0, invariant=True) == PARTITION
     graph = decode_shape(1, max_blocks=256, max_context=4096, invariant=False)
     assert (graph.partition, graph.partitions) == (SMALL_DECODE_PARTITION, 4096 // SMALL_DECODE_PARTITION)
+    assert graph.small_decode and not decode_shape(SMALL_DECODE + 1, 256, 4096, False).small_decode
+    assert not decode_shape(1, 256, 4096, invariant=True).small_decode

@@ -27,7 +27,7 @@ from engine.backends.cuda_graph import CudaGraph
 from engine.backends.cuda_kernels import (ATTENTION_THREADS, GEMV_WARPS, MAX_PART_BLOCKS, PREFILL_THREADS,
                                           SAMPLE_CLUSTER, SAMPLE_THREADS, STAGED_INPUT_BYTES, Kernels, blocks_per_sm,
                                           gemv_split, prefill_query_rows)
-from engine.backends.step_metadata import (FIELDS, GENERATED_TILE, PARTITION, StepShape, build_metadata, decode_shape,
+from engine.backends.step_metadata import (FIELDS, PARTITION, SMALL_DECODE, StepShape, build_metadata, decode_shape,
                                            field_sizes, step_shape)
 from engine.config import ModelConfig
 from engine.sampler import SampleOutput, TokenLogprob, log_softmax
@@ -239,9 +239,8 @@ class CudaBackend:
             # lands on tokens not read yet, and waiting for a step waits for it alone.
             self.sampled = gpuarray.empty(num_blocks, np.int32)
             # The decode attention kernel's arrival counts (attention.cu), zero between
-            # launches: a row per decode row (a sequence each, padded to a tile or a
-            # graph's bucket).
-            self.arrivals = gpuarray.zeros((max(num_blocks, max_batch) + GENERATED_TILE, c.num_kv_heads), np.int32)
+            # launches: a row per token of a small decode step (is_small_decode).
+            self.arrivals = gpuarray.zeros((SMALL_DECODE, c.num_kv_heads), np.int32)
             self._step_slots = [(cuda.pagelocked_empty(num_blocks, np.int32), cuda.Event()) for _ in range(2)]
         self.block_size, self.dummy_block = block_size, num_blocks
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, block_size,
@@ -346,8 +345,9 @@ class CudaBackend:
 
     def _attention(self, k: Kernels, b: StepBuffers, shape: StepShape, kc: gpuarray.GPUArray, vc: gpuarray.GPUArray) -> None:
         """Partial results per context partition, for decode rows (and the padding between
-        the segments) from the decode kernel, which also merges them, and for prompt rows
-        from the prefill kernel, then the merge kernel over those (see step_metadata)."""
+        the segments) from the decode kernel and for prompt rows from the prefill kernel,
+        then the merge kernel over all rows; in a small decode step the decode kernel
+        merges them itself (see step_metadata.is_small_decode)."""
         c, st, m = self.config, self.stream, b.meta_ptr
         grid = (c.num_kv_heads, shape.partitions)
         partials = (_ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum), _ptr(b.qkv), _ptr(kc), _ptr(vc),
@@ -356,15 +356,16 @@ class CudaBackend:
                  np.float32(c.head_dim ** -0.5))
         decode_rows = shape.tokens - shape.prompt
         if decode_rows:
+            arrivals = _ptr(self.arrivals) if shape.small_decode else np.uintp(0)
             k.paged_attention_partial.prepared_async_call((decode_rows, *grid), (ATTENTION_THREADS, 1, 1), st, _ptr(b.attn),
-                                                          _ptr(self.arrivals), *partials, *sizes)
+                                                          arrivals, *partials, *sizes)
         if shape.prompt_tiles:
             k.prefill_attention_partial.prepared_async_call((shape.prompt_tiles, *grid), (PREFILL_THREADS, 1, 1), st,
                                                             *partials, m["prompt_tiles"], *sizes)
-            k.paged_attention_merge.prepared_async_call((shape.prompt, c.num_heads), (c.head_dim, 1, 1), st, _ptr(b.attn),
+        if not shape.small_decode:
+            k.paged_attention_merge.prepared_async_call((shape.tokens, c.num_heads), (c.head_dim, 1, 1), st, _ptr(b.attn),
                                                         _ptr(b.part_acc), _ptr(b.part_max), _ptr(b.part_sum), m["positions"],
-                                                        np.int32(shape.partition), np.int32(shape.partitions),
-                                                        np.int32(decode_rows))
+                                                        np.int32(shape.partition), np.int32(shape.partitions))
 
     def _forward(self, batch: list[ScheduledSeq]) -> gpuarray.GPUArray:
         """Run the step's tokens; return float32 logits [sampling sequences, vocab] on the GPU."""

@@ -49,7 +49,7 @@ class Kernels:
         "rope_cos_sin": ("rope_cache.cu", "PPi"),
         "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
         "paged_attention_partial": ("attention.cu", "PPPPPPPPPiPPiiiif"),
-        "paged_attention_merge": ("attention.cu", "PPPPPiii"),
+        "paged_attention_merge": ("attention.cu", "PPPPPii"),
         "prefill_attention_partial": ("attention.cu", "PPPPPPPiPPPiiiif"),
         "silu_and_mul": ("activation.cu", "PPi"),
         "gemv": ("gemv.cu", "PiPPiii"),

@@ -49,6 +49,11 @@ class StepShape:
     invariant: bool  # GEMMs in fixed tiles (batch invariance), not one over all rows
 
     @property
+    def small_decode(self) -> bool:
+        """A decode step of a few tokens (is_small_decode)."""
+        return is_small_decode(self.generated, self.prompt, self.invariant)
+
+    @property
     def tokens(self) -> int:
         """Rows the per-token kernels run over (the padding between the segments included)."""
         return self.generated_rows + self.prompt if self.prompt else self.generated
@@ -101,12 +106,18 @@ def _prompt_counts(starts: np.ndarray, counts: np.ndarray, prompt_lens: np.ndarr
     return np.maximum(0, np.minimum(starts + counts, prompt_lens) - starts)
 
 
+def is_small_decode(generated: int, prompt: int, invariant: bool) -> bool:
+    """Whether a step is a decode step of a few tokens, bound by latency: its attention
+    takes shorter partitions, so that it spreads over more thread blocks, each with a
+    shorter chain of loads (bench/decode_attention.py), and the decode kernel merges
+    them itself, which saves the merge kernel's launch (attention.cu). With batch
+    invariance no step is, since a token's sums depend on its partitions."""
+    return not invariant and not prompt and generated <= SMALL_DECODE
+
+
 def attention_partition(generated: int, prompt: int, invariant: bool) -> int:
-    """Context positions per attention partition. A decode step of a few tokens takes
-    shorter partitions, so that its attention spreads over more thread blocks, each
-    with a shorter chain of loads (bench/decode_attention.py); with batch invariance
-    every step takes PARTITION, since a token's sums depend on its partitions."""
-    return SMALL_DECODE_PARTITION if not invariant and not prompt and generated <= SMALL_DECODE else PARTITION
+    """Context positions per attention partition (is_small_decode)."""
+    return SMALL_DECODE_PARTITION if is_small_decode(generated, prompt, invariant) else PARTITION
 
 
 def step_shape(batch: list[ScheduledSeq], query_rows: int, invariant: bool) -> StepShape:

@@ -156,15 +156,15 @@ def test_rope_and_cache(kernels, heads, kv_heads):
     assert np.isnan(k_got[untouched]).all(), "wrote outside the slot mapping"
 
 
-@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode merging itself", "decode", "prefill"])
 @pytest.mark.parametrize("heads, kv_heads, D", [(32, 8, 64), (9, 3, 64), (24, 8, 128)])  # Llama 3.2 1B, SmolLM2, 3B
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("partition", [PARTITION, SMALL_DECODE_PARTITION])
 def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, partition):
     """Decode tokens and prefill chunks of several sequences in one launch, over
     lengths that are not multiples of the block size and past one partition, through
-    the decode kernel (split context, merged by the last partition's block) and
-    through the prefill kernel (query tiles, then the merge kernel)."""
+    the decode kernel (split context, merged by the last partition's block, or by the
+    merge kernel) and through the prefill kernel (query tiles, then the merge kernel)."""
     # (context before this step, tokens in this step): decode, chunked prefill, full prefill, long decode
     seqs = [(37, 1), (20, 13), (0, 45), (PARTITION * 2 + 77, 1), (PARTITION - 1, 3), (0, 300), (PARTITION - 100, 250)]
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 4
@@ -191,7 +191,7 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
     part_sum = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
     partials = (part_acc, part_max, part_sum, qkv_gpu, kc, vc, i32(table_arr), np.int32(max_blocks), i32(token_seq), i32(positions))
     sizes = (np.int32(heads), np.int32(kv_heads), np.int32(block_size), np.int32(partition), scale)
-    if kernel == "decode":  # (pass 2 in the same launch)
+    if kernel == "decode merging itself":  # (pass 2 in the same launch)
         arrivals = gpuarray.zeros((tokens, kv_heads), np.int32)
         for _ in range(2):  # the second launch relies on the first leaving the arrival counts at zero
             out = poisoned_bf16((tokens, heads * D))
@@ -199,11 +199,15 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
                    *partials, *sizes)
         assert not arrivals.get().any()
     else:
-        rows = prefill_query_rows(heads // kv_heads)
-        starts = np.cumsum([0] + [n for _, n in seqs])
-        tiles = [(r, min(rows, end - r)) for start, end in zip(starts, starts[1:]) for r in range(start, end, rows)]
-        launch(kernels.prefill_attention_partial, (len(tiles), kv_heads, partitions), (PREFILL_THREADS, 1, 1), *partials,
-               i32(np.ravel(tiles)), *sizes)
+        if kernel == "decode":
+            launch(kernels.paged_attention_partial, (tokens, kv_heads, partitions), (ATTENTION_THREADS, 1, 1), out,
+                   np.uintp(0), *partials, *sizes)
+        else:
+            rows = prefill_query_rows(heads // kv_heads)
+            starts = np.cumsum([0] + [n for _, n in seqs])
+            tiles = [(r, min(rows, end - r)) for start, end in zip(starts, starts[1:]) for r in range(start, end, rows)]
+            launch(kernels.prefill_attention_partial, (len(tiles), kv_heads, partitions), (PREFILL_THREADS, 1, 1), *partials,
+                   i32(np.ravel(tiles)), *sizes)
         # what pass 1 left in the partitions past each token's context is never read: poison it
         unspanned = np.arange(partitions)[None, None, :] >= (positions // partition + 1)[:, None, None]
         unspanned = np.broadcast_to(unspanned, (tokens, heads, partitions))
@@ -212,7 +216,7 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
             host[unspanned] = np.nan
             a.set(host)
         launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, i32(positions),
-               np.int32(partition), np.int32(partitions), np.int32(0))
+               np.int32(partition), np.int32(partitions))
     got = down_bf16(out)
     q = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     start = 0
