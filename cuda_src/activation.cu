@@ -7,5 +7,11 @@ extern "C" __global__ void silu_and_mul(bf16* __restrict__ out, const bf16* __re
     await_previous_kernel();
     const int i = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (i >= inter) return;
-    *reinterpret_cast<uint4*>(out + (size_t)blockIdx.y * inter + i) = silu_and_mul8(gate_up + (size_t)blockIdx.y * 2 * inter, inter, i);
+    const bf16* row = gate_up + (size_t)blockIdx.y * 2 * inter;
+    float g[8], u[8];
+    load_bf16x8(row + i, g);
+    load_bf16x8(row + inter + i, u);
+#pragma unroll
+    for (int j = 0; j < 8; j++) g[j] = silu_and_mul1(g[j], u[j]);
+    *reinterpret_cast<uint4*>(out + (size_t)blockIdx.y * inter + i) = pack_bf16x8(g);
 }

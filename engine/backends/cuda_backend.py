@@ -290,7 +290,10 @@ class CudaBackend:
         k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), pending, _ptr(layer["attn_norm"]),
                                           _ptr(b.h), m["all_rows"], np.int32(H), eps)
         self._linear(k, b.qkv, b.h, layer["qkv"], tiles, H, c.q_size + 2 * c.kv_size)
-        self._rope_and_attention(k, b, shape, kc, vc)
+        k.rope_and_cache.prepared_async_call((T, 1), (min(1024, (c.num_heads + c.num_kv_heads) * c.head_dim // 2), 1, 1), st,
+                                             _ptr(b.qkv), _ptr(kc), _ptr(vc), m["positions"], m["slots"], _ptr(self.cos_sin),
+                                             np.int32(c.num_heads), np.int32(c.num_kv_heads), np.int32(c.head_dim))
+        self._attention(k, b, shape, kc, vc)
         self._linear(k, b.delta, b.attn, layer["o"], tiles, c.q_size, H)
         k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(b.delta), _ptr(layer["mlp_norm"]),
                                           _ptr(b.h), m["all_rows"], np.int32(H), eps)
@@ -333,15 +336,6 @@ class CudaBackend:
         blocks = min(-(-d_out // rows_per_block), self.sm_count * blocks_per_sm(fn, 32 * GEMV_WARPS))
         fn.prepared_async_call((blocks, 1), (32 * GEMV_WARPS, 1, 1), self.stream, *args, np.int32(d_out),
                                shared_size=staged_bytes)
-
-    def _rope_and_attention(self, k: Kernels, b: StepBuffers, shape: StepShape, kc: gpuarray.GPUArray,
-                            vc: gpuarray.GPUArray) -> None:
-        c = self.config
-        k.rope_and_cache.prepared_async_call((shape.tokens, 1), (min(1024, (c.num_heads + c.num_kv_heads) * c.head_dim // 2), 1, 1),
-                                             self.stream, _ptr(b.qkv), _ptr(kc), _ptr(vc), b.meta_ptr["positions"],
-                                             b.meta_ptr["slots"], _ptr(self.cos_sin), np.int32(c.num_heads),
-                                             np.int32(c.num_kv_heads), np.int32(c.head_dim))
-        self._attention(k, b, shape, kc, vc)
 
     def _attention(self, k: Kernels, b: StepBuffers, shape: StepShape, kc: gpuarray.GPUArray, vc: gpuarray.GPUArray) -> None:
         """Partial results per context partition, for decode rows (and the padding between
