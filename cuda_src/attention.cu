@@ -84,9 +84,11 @@ __device__ __forceinline__ float merge_partitions(const float* part_acc, const f
 // every head that shares a K/V row, and the cache is read once. Warp w takes the
 // partition's 16-position chunks w, w + WARPS, ..., loading each chunk's K and V
 // straight from the cache into registers as mma fragments, and keeps an online softmax
-// per row; the warps' states are merged at the end in a fixed order. Nothing is
-// prefetched: at under 96 registers five blocks fit on an SM, and their loads hide the
-// latency better than a second chunk in flight per warp would (bench/RESULTS.md).
+// per row; the warps' states are merged at the end in a fixed order. No second chunk
+// is prefetched: at 96 registers or fewer five blocks fit on an SM, and their loads
+// hide the latency better than a second chunk in flight per warp would
+// (bench/RESULTS.md). A warp's first chunk is loaded before the wait for the previous
+// kernel, where no kernel of the step writes it.
 // Given `arrivals`, pass 2 follows in the same launch: a token whose context fits one
 // partition stores its output directly (acc / sum, what the merge computes for one
 // partition), and otherwise each partition's block counts itself in arrivals[t, kvh]
@@ -151,19 +153,32 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     const int* __restrict__ block_tables, int max_blocks,  // [seqs, max_blocks]
     const int* __restrict__ token_seq, const int* __restrict__ positions,
     int heads, int kv_heads, int block_size, int partition, float scale) {
-    await_previous_kernel();
     __shared__ int blocks_s[MAX_PART_BLOCKS];
     __shared__ float m_s[WARPS][GROUP], l_s[WARPS][GROUP];
     __shared__ float acc_s[WARPS][GROUP][HEAD_DIM];
 
     const int t = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const int begin = part * partition, end = min(positions[t] + 1, begin + partition);
-    const int* table = block_tables + (size_t)token_seq[t] * max_blocks;
+    // Before the wait for the previous kernel, what no kernel of this step writes: the
+    // step's metadata, and the K/V of the positions before the token's own. (Kernels
+    // overlap only in CUDA graphs, whose rows are each one sequence's one new token, so
+    // only its own k and v are this step's, written by the kernel before.) So the block
+    // table, and a warp's first chunk when it ends before the token's position, are read early.
+    const int position = positions[t];
+    const int begin = part * partition, end = min(position + 1, begin + partition);
+    const int first_block = begin / block_size, first_chunk = begin + warp * CHUNK;
+    if (begin < end) {
+        const int* table = block_tables + (size_t)token_seq[t] * max_blocks;
+        for (int i = threadIdx.x; i <= (end - 1) / block_size - first_block; i += blockDim.x)
+            blocks_s[i] = table[first_block + i];
+    }
+    __syncthreads();  // blocks_s is written
+    ChunkFragments cur;
+    const bool first_chunk_early = first_chunk + CHUNK <= position;
+    if (first_chunk_early)
+        load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_size, kv_heads, kvh, first_chunk, end, g, q);
+    await_previous_kernel();
     if (begin >= end) return;  // a partition past the context: the merge does not read it
-    const int first_block = begin / block_size;
-    for (int i = threadIdx.x; i <= (end - 1) / block_size - first_block; i += blockDim.x)
-        blocks_s[i] = table[first_block + i];
 
     // Q as A fragments: row g (head kvh * GROUP + g; zero past GROUP), this quad's quarter.
     uint32_t q_frag[K_WORDS];
@@ -181,11 +196,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 #pragma unroll
     for (int j = 0; j < DIM_TILES; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m_run = -INFINITY, l_run = 0.f;  // head g's; l: this lane's share
-    __syncthreads();  // blocks_s is written
 
-    ChunkFragments cur;
-    for (int chunk = begin + warp * CHUNK; chunk < end; chunk += WARPS * CHUNK) {
-        load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_size, kv_heads, kvh, chunk, end, g, q);
+    for (int chunk = first_chunk; chunk < end; chunk += WARPS * CHUNK) {
+        if (chunk != first_chunk || !first_chunk_early)
+            load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_size, kv_heads, kvh, chunk, end, g, q);
         // S = Q K^T: s[i] holds row g at positions chunk + 8 i + 2q, + 1 (and row g + 8's, unused)
         float s[2][4];
 #pragma unroll
