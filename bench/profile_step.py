@@ -34,6 +34,27 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.test_model import LLAMA_32_1B, make_model  # noqa: E402
 
 
+def gpu_ms(stream: cuda.Stream, run) -> float:
+    """GPU milliseconds of the work `run` queues on `stream` (events on either side)."""
+    start, end = cuda.Event(), cuda.Event()
+    start.record(stream)
+    run()
+    end.record(stream)
+    end.synchronize()
+    return end.time_since(start)
+
+
+def graph_ms(stream: cuda.Stream, queue) -> float:
+    """GPU milliseconds of one launch of a graph captured from `queue` (our kernels'
+    launches programmatic, as in the engine's graphs), after a first launch."""
+    graph = CudaGraph(stream.handle, queue, awaiting_kernels=Kernels.SIGNATURES)
+    graph.launch()
+    try:
+        return gpu_ms(stream, graph.launch)
+    finally:
+        graph.close()
+
+
 class Timer:
     """Wraps each kernel and the GEMM call with start/end events on the backend's stream."""
 
@@ -94,12 +115,7 @@ def graph_step_times(model) -> None:
         engine.step()
         walls.append((time.perf_counter() - start) * 1e3)
         with backend._context():
-            a, b = cuda.Event(), cuda.Event()
-            a.record(backend.stream)
-            replay.launch()
-            b.record(backend.stream)
-            b.synchronize()
-            gpus.append(b.time_since(a))
+            gpus.append(gpu_ms(backend.stream, replay.launch))
     print(f"\nbatch-1 engine step with CUDA graphs: {np.median(walls):.3f} ms wall, "
           f"of which the forward replay is {np.median(gpus):.3f} ms of GPU time")
 
@@ -139,15 +155,7 @@ def graph_kernel_table(model) -> None:
                 for _ in range(repeats):
                     for name, grid, block, args, kwargs in chosen:
                         getattr(kernels, name).prepared_async_call(grid, block, backend.stream, *args, **kwargs)
-            graph = CudaGraph(backend.stream.handle, queue, awaiting_kernels=Kernels.SIGNATURES)
-            graph.launch()
-            start, end = cuda.Event(), cuda.Event()
-            start.record(backend.stream)
-            graph.launch()
-            end.record(backend.stream)
-            end.synchronize()
-            graph.close()
-            return end.time_since(start) * 1e3 / repeats
+            return graph_ms(backend.stream, queue) * 1e3 / repeats
         names = list(dict.fromkeys(name for name, *_ in launches))
         rows = [(name, [launch for launch in launches if launch[0] == name]) for name in names] + [("all, in order", launches)]
         for name, chosen in rows:
@@ -176,28 +184,20 @@ def gemm_table(backend: CudaBackend) -> None:
                 for name, (w, d_in) in matrices.items():
                     d_out, y = w.size // d_in, outputs[name == "lm_head"]
 
-                    def product(kernels: Kernels = backend.kernels):
+                    def product(kernels: Kernels) -> None:
                         if by == "cuBLAS":
                             backend.blas.linear(int(y.gpudata), int(x.gpudata), int(w.gpudata), rows, d_in, d_out, name == "lm_head")
                         else:
                             backend.gemv(int(y.gpudata), int(x.gpudata), w, rows, d_in, d_out, name == "lm_head", kernels)
+
+                    def run(kernels: Kernels = backend.kernels) -> None:
+                        for _ in range(repeats):
+                            product(kernels)
                     if by == "graph":
-                        graph = CudaGraph(backend.stream.handle, lambda: [product(graph_kernels) for _ in range(repeats)],
-                                          awaiting_kernels=Kernels.SIGNATURES)
-                        run = graph.launch
+                        ms = graph_ms(backend.stream, lambda: run(graph_kernels)) / repeats
                     else:
-                        def run():
-                            for _ in range(repeats):
-                                product()
-                    run()
-                    start, end = cuda.Event(), cuda.Event()
-                    start.record(backend.stream)
-                    run()
-                    end.record(backend.stream)
-                    end.synchronize()
-                    if by == "graph":
-                        graph.close()
-                    ms = end.time_since(start) / repeats
+                        run()  # (warm-up)
+                        ms = gpu_ms(backend.stream, run) / repeats
                     cells.append(f"{ms * 1e3:7.1f} ({w.nbytes / ms / 1e9:4.2f})")
                 print(f"{rows:>5} {by:>6} | " + " | ".join(f"{cell:>16}" for cell in cells))
 

@@ -19,13 +19,12 @@
 // and sum; pass 2 (merge_partitions) rescales and sums the partitions. Pass 2 is a
 // kernel of its own (paged_attention_merge), except in decode steps of a few tokens,
 // where the decode kernel runs it itself, in the block that finishes a token's
-// partitions last. Decode tokens and prompt tokens take
-// different pass-1 kernels (below); both run on tensor
-// cores (mma.sync m16n8k16: bfloat16 in, float32 accumulate), round the probabilities
-// to bfloat16 for P V (as transformers' eager attention does), and visit a token's
-// positions in an order fixed by its context alone, so that its result does not
-// depend on the rest of the batch. The numpy backend's paged_attention is the oracle
-// (tests/gpu/test_kernels.py).
+// partitions last. Decode tokens and prompt tokens take different pass-1 kernels
+// (below); both run on tensor cores (mma.sync m16n8k16: bfloat16 in, float32
+// accumulate), round the probabilities to bfloat16 for P V (as transformers' eager
+// attention does), and visit a token's positions in an order fixed by its context
+// alone, so that its result does not depend on the rest of the batch. The numpy
+// backend's paged_attention is the oracle (tests/gpu/test_kernels.py).
 
 __device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -262,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
         l_s[warp][g] = l_run;
     }
     __syncthreads();
-    const int spanned = min((int)gridDim.z, positions[t] / partition + 1);  // (the partitions this launch has)
+    const int spanned = min((int)gridDim.z, position / partition + 1);  // (the partitions this launch has)
     for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += blockDim.x) {
         const int h = e / HEAD_DIM, d = e % HEAD_DIM;
         float m = -INFINITY;

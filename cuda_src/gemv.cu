@@ -42,7 +42,7 @@
 #define SPAN (32 * 8)  // weights one warp reads with one load per lane
 
 // Warps a row of w is split over: a power of two, each slice at least UNROLL loads
-// wide (bench/profile_step.py's gemv rows). Mirrored by cuda_backend.gemv_split.
+// wide (bench/profile_step.py's gemv rows). Mirrored by cuda_kernels.gemv_split.
 __host__ __device__ __forceinline__ int gemv_split(int d_in) {
     int split = 1;
     while (split < GEMV_WARPS && d_in >= 2 * split * SPAN * UNROLL) split *= 2;

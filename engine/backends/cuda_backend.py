@@ -271,10 +271,13 @@ class CudaBackend:
         T, S, H = shape.tokens, shape.samples, c.hidden_size
         k.embedding_gather.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(self.embed), m["ids"],
                                                _ptr(self.sampled), np.int32(H))
-        layer_pass = self._fused_layer if self._all_gemv(shape) else self._layer
+        fused = self._all_gemv(shape)
         pending = np.uintp(0)  # the last layer's output, where not yet added into the residual
         for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
-            pending = layer_pass(k, b, shape, layer, kc, vc, pending)
+            if fused:
+                self._fused_layer(k, b, shape, layer, kc, vc)
+            else:
+                pending = self._layer(k, b, shape, layer, kc, vc, pending)
         if S:
             k.add_rmsnorm.prepared_async_call((S, 1), (256, 1, 1), st, _ptr(b.residual), pending, _ptr(self.final_norm),
                                               _ptr(b.final), m["sample_rows"], np.int32(H), np.float32(c.rms_norm_eps))
@@ -310,7 +313,7 @@ class CudaBackend:
                 and shape.rows * 2 * self.config.hidden_size <= STAGED_INPUT_BYTES)
 
     def _fused_layer(self, k: Kernels, b: StepBuffers, shape: StepShape, layer: dict, kc: gpuarray.GPUArray,
-                     vc: gpuarray.GPUArray, pending: np.uintp) -> np.uintp:
+                     vc: gpuarray.GPUArray) -> None:
         """One decoder layer in five kernels, attention and four GEMVs (see _all_gemv): the
         norms are computed by the GEMVs that read them; RoPE and the cache write, and
         SiLU-and-multiply, by the GEMVs that produce their inputs; each residual add by
@@ -327,7 +330,6 @@ class CudaBackend:
         self._gemv_call(k.gemv_rmsnorm_silu, I, rows * H * 2, _ptr(b.act), residual, _ptr(layer["mlp_norm"]), eps,
                         _ptr(layer["gate_up"]), np.int32(rows), np.int32(H))
         self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.act), _ptr(layer["down"]), np.int32(rows), np.int32(I))
-        return np.uintp(0)
 
     def _gemv_call(self, fn, d_out: int, staged_bytes: int, *args) -> None:
         """Launch a gemv.cu kernel over d_out outputs, as many blocks as are resident at

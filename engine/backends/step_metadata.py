@@ -44,7 +44,6 @@ class StepShape:
     samples: int  # rows that reach the head (the last token of each finishing sequence)
     seqs: int  # block-table rows
     max_blocks: int  # block-table width
-    partition: int  # context positions per attention partition (attention_partition)
     partitions: int  # attention partitions of the longest context
     invariant: bool  # GEMMs in fixed tiles (batch invariance), not one over all rows
 
@@ -52,6 +51,11 @@ class StepShape:
     def small_decode(self) -> bool:
         """A decode step of a few tokens (is_small_decode)."""
         return is_small_decode(self.generated, self.prompt, self.invariant)
+
+    @property
+    def partition(self) -> int:
+        """Context positions per attention partition (attention_partition)."""
+        return attention_partition(self.generated, self.prompt, self.invariant)
 
     @property
     def tokens(self) -> int:
@@ -133,7 +137,6 @@ def step_shape(batch: list[ScheduledSeq], query_rows: int, invariant: bool) -> S
         samples=sum(s.samples for s in batch),
         seqs=len(batch),
         max_blocks=max(len(s.seq.block_table) for s in batch),
-        partition=partition,
         partitions=math.ceil(int((starts + counts).max()) / partition),
         invariant=invariant,
     )
@@ -145,7 +148,7 @@ def decode_shape(batch_size: int, max_blocks: int, max_context: int, invariant: 
     partition = attention_partition(batch_size, 0, invariant)
     return StepShape(generated=batch_size, generated_rows=_round_up(batch_size, GENERATED_TILE if invariant else 1),
                      prompt=0, prompt_tiles=0, samples=batch_size, seqs=batch_size, max_blocks=max_blocks,
-                     partition=partition, partitions=math.ceil(max_context / partition), invariant=invariant)
+                     partitions=math.ceil(max_context / partition), invariant=invariant)
 
 
 def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int, dummy_block: int,
