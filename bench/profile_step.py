@@ -3,8 +3,8 @@ every launch and GEMM of an eager step): a 1024-token prefill, a decode step at 
 with a 200-token context and one at batch 256 with ~850-token contexts; then, with CUDA
 graphs, the wall time of a batch-1 engine step beside the GPU time of its graph replay,
 and that step's kernels timed as its graph runs them (each kernel's launches replayed
-alone in a graph with programmatic launches); and the bandwidth cuBLAS (and our GEMV,
-at up to 8 rows) reaches on each weight matrix at 1 to 256 rows; the GEMV also as a
+alone in a graph with programmatic launches); and the bandwidth cuBLAS reaches on each
+weight matrix at 1 to 256 rows, and our GEMV at one row, launched one by one and as a
 decode graph runs it, back to back with programmatic launches (`graph`). Llama 3.2 1B
 shape, bfloat16, random weights.
 
@@ -25,8 +25,8 @@ import pycuda.gpuarray as gpuarray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.backends.cuda_backend import GEMV_ROWS, CudaBackend  # noqa: E402
-from engine.backends.cuda_kernels import GEMV_MAX_ROWS, Kernels  # noqa: E402
+from engine.backends.cuda_backend import CudaBackend  # noqa: E402
+from engine.backends.cuda_kernels import Kernels  # noqa: E402
 from engine.backends.cuda_graph import CudaGraph  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
@@ -165,21 +165,21 @@ def graph_kernel_table(model) -> None:
 
 def gemm_table(backend: CudaBackend) -> None:
     """Time of one product per weight matrix and row count, and the weight bytes it
-    reads per second: cuBLAS, and our GEMV (the backend takes it up to GEMV_ROWS rows),
+    reads per second: cuBLAS, and at one row our GEMV (the backend's choice there),
     launched one by one and, as in a decode graph, back to back with programmatic launches."""
     c = backend.config
     matrices = {"qkv": (backend.layers[0]["qkv"], c.hidden_size), "o": (backend.layers[0]["o"], c.q_size),
                 "gate_up": (backend.layers[0]["gate_up"], c.hidden_size), "down": (backend.layers[0]["down"], c.intermediate_size),
                 "lm_head": (backend.lm_head, c.hidden_size)}
     repeats = 20
-    print(f"\nGEMM, microseconds (weight TB/s); the backend uses gemv up to {GEMV_ROWS} rows")
+    print("\nGEMM, microseconds (weight TB/s); the backend uses gemv at one row")
     print(f"{'rows':>5} {'by':>6} | " + " | ".join(f"{name:>16}" for name in matrices))
     with backend._context():
         graph_kernels = Kernels(*backend.kernel_build, programmatic=True)
         x = gpuarray.zeros((256, c.intermediate_size), np.uint16)
         outputs = {False: gpuarray.zeros((256, c.vocab_size), np.uint16), True: gpuarray.zeros((256, c.vocab_size), np.float32)}
         for rows in (1, 2, 4, 8, 16, 64, 128, 256):
-            for by in ("cuBLAS", "gemv", "graph") if rows <= GEMV_MAX_ROWS else ("cuBLAS",):
+            for by in ("cuBLAS", "gemv", "graph") if rows == 1 else ("cuBLAS",):
                 cells = []
                 for name, (w, d_in) in matrices.items():
                     d_out, y = w.size // d_in, outputs[name == "lm_head"]
@@ -188,7 +188,7 @@ def gemm_table(backend: CudaBackend) -> None:
                         if by == "cuBLAS":
                             backend.blas.linear(int(y.gpudata), int(x.gpudata), int(w.gpudata), rows, d_in, d_out, name == "lm_head")
                         else:
-                            backend.gemv(int(y.gpudata), int(x.gpudata), w, rows, d_in, d_out, name == "lm_head", kernels)
+                            backend.gemv(int(y.gpudata), int(x.gpudata), w, d_in, d_out, name == "lm_head", kernels)
 
                     def run(kernels: Kernels = backend.kernels) -> None:
                         for _ in range(repeats):

@@ -36,7 +36,6 @@ from engine.sequence import Sequence
 from engine.weights import Weights, f32_to_bf16_bits
 
 log = logging.getLogger("llamastream.engine")
-GEMV_ROWS = 1  # steps of up to this many rows take our GEMV, not cuBLAS (bench/profile_step.py's gemm table)
 WORKSPACE_BYTES = 32 * 2**20
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
 
@@ -306,11 +305,10 @@ class CudaBackend:
         return _ptr(b.delta)
 
     def _all_gemv(self, shape: StepShape) -> bool:
-        """Whether every GEMM of the step is one GEMV over all its rows, whose normalised
-        input fits the GEMV's shared memory: then the layer's norms, RoPE, SiLU and
+        """Whether every GEMM of the step is our GEMV (a step of one row), whose
+        normalised input fits its shared memory: then the layer's norms, RoPE, SiLU and
         residual adds ride in the GEMVs (gemv.cu)."""
-        return (not shape.invariant and shape.rows <= GEMV_ROWS
-                and shape.rows * 2 * self.config.hidden_size <= STAGED_INPUT_BYTES)
+        return not shape.invariant and shape.rows == 1 and 2 * self.config.hidden_size <= STAGED_INPUT_BYTES
 
     def _fused_layer(self, k: Kernels, b: StepBuffers, shape: StepShape, layer: dict, kc: gpuarray.GPUArray,
                      vc: gpuarray.GPUArray) -> None:
@@ -318,22 +316,22 @@ class CudaBackend:
         norms are computed by the GEMVs that read them; RoPE and the cache write, and
         SiLU-and-multiply, by the GEMVs that produce their inputs; each residual add by
         the GEMV that produces it, so none is pending."""
-        c, rows, m = self.config, shape.rows, b.meta_ptr
+        c, m = self.config, b.meta_ptr
         H, I, eps = c.hidden_size, c.intermediate_size, np.float32(c.rms_norm_eps)
         residual = _ptr(b.residual)
-        self._gemv_call(k.gemv_rmsnorm_rope, (c.q_size + 2 * c.kv_size) // 2, rows * H * 2, _ptr(b.qkv), residual,
+        self._gemv_call(k.gemv_rmsnorm_rope, (c.q_size + 2 * c.kv_size) // 2, H * 2, _ptr(b.qkv), residual,
                         _ptr(layer["attn_norm"]), eps, _ptr(layer["qkv"]), _ptr(kc), _ptr(vc), m["positions"], m["slots"],
                         _ptr(self.cos_sin), np.int32(c.num_heads), np.int32(c.num_kv_heads), np.int32(c.head_dim),
-                        np.int32(rows), np.int32(H))
+                        np.int32(H))
         self._attention(k, b, shape, kc, vc)
-        self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.attn), _ptr(layer["o"]), np.int32(rows), np.int32(c.q_size))
-        self._gemv_call(k.gemv_rmsnorm_silu, I, rows * H * 2, _ptr(b.act), residual, _ptr(layer["mlp_norm"]), eps,
-                        _ptr(layer["gate_up"]), np.int32(rows), np.int32(H))
-        self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.act), _ptr(layer["down"]), np.int32(rows), np.int32(I))
+        self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.attn), _ptr(layer["o"]), np.int32(c.q_size))
+        self._gemv_call(k.gemv_rmsnorm_silu, I, H * 2, _ptr(b.act), residual, _ptr(layer["mlp_norm"]), eps,
+                        _ptr(layer["gate_up"]), np.int32(H))
+        self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.act), _ptr(layer["down"]), np.int32(I))
 
     def _gemv_call(self, fn, d_out: int, staged_bytes: int, *args) -> None:
         """Launch a gemv.cu kernel over d_out outputs, as many blocks as are resident at
-        once (each group of warps loops over rows); `args` end with rows and d_in."""
+        once (each group of warps loops over rows); `args` end with d_in."""
         rows_per_block = GEMV_WARPS // gemv_split(int(args[-1]))
         blocks = min(-(-d_out // rows_per_block), self.sm_count * blocks_per_sm(fn, 32 * GEMV_WARPS))
         fn.prepared_async_call((blocks, 1), (32 * GEMV_WARPS, 1, 1), self.stream, *args, np.int32(d_out),
@@ -382,22 +380,22 @@ class CudaBackend:
     def _linear(self, k: Kernels, y: gpuarray.GPUArray, x: gpuarray.GPUArray, w: gpuarray.GPUArray,
                 tiles: list[tuple[int, int]], d_in: int, d_out: int) -> None:
         """y = x @ w^T, one GEMM per (first row, rows) tile (see step_metadata): our GEMV
-        for a tile of a few rows (only ever a whole step's rows: batch-invariant tiles
-        are larger), cuBLAS otherwise."""
+        for a tile of one row (only ever a whole step's row: batch-invariant tiles are
+        larger), cuBLAS otherwise."""
         out_f32 = y.dtype == np.float32
         y_row, x_row = d_out * y.dtype.itemsize, d_in * 2
         for r, rows in tiles:
             y_ptr, x_ptr = int(y.gpudata) + r * y_row, int(x.gpudata) + r * x_row
-            if rows <= GEMV_ROWS:  # (d_in is a multiple of 8, as gemv.cu needs: see __init__)
-                self.gemv(y_ptr, x_ptr, w, rows, d_in, d_out, out_f32, k)
+            if rows == 1:  # (d_in is a multiple of 8, as gemv.cu needs: see __init__)
+                self.gemv(y_ptr, x_ptr, w, d_in, d_out, out_f32, k)
             else:
                 self.blas.linear(y_ptr, x_ptr, int(w.gpudata), rows, d_in, d_out, out_f32)
 
-    def gemv(self, y: int, x: int, w: gpuarray.GPUArray, rows: int, d_in: int, d_out: int, out_f32: bool,
+    def gemv(self, y: int, x: int, w: gpuarray.GPUArray, d_in: int, d_out: int, out_f32: bool,
              kernels: Kernels | None = None) -> None:
-        """y = x @ w^T by gemv.cu, for up to GEMV_MAX_ROWS rows (by the plain build unless told)."""
+        """y = x @ w^T for one row x by gemv.cu (by the plain build unless told)."""
         self._gemv_call((kernels or self.kernels).gemv, d_out, 0, np.uintp(y), np.int32(out_f32), np.uintp(x), _ptr(w),
-                        np.int32(rows), np.int32(d_in))
+                        np.int32(d_in))
 
     def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
         """Logits of the sampling sequences, on the host (for tests and logprobs)."""

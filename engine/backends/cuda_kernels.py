@@ -11,7 +11,7 @@ CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS, PREFILL_M_TILE = 128, 64  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
-GEMV_MAX_ROWS, GEMV_WARPS = 8, 8  # as in gemv.cu
+GEMV_WARPS = 8  # as in gemv.cu
 GEMV_SLICE = 2048  # columns of one warp's loads (SPAN * UNROLL in gemv.cu)
 SAMPLE_CLUSTER, SAMPLE_THREADS = 8, 1024  # blocks a row and threads a block of sample_tokens (sampling.cu)
 STAGED_INPUT_BYTES = 47 * 1024  # gemv.cu's staged input: 48 KB a block takes without opting in, less its static shared memory
@@ -52,11 +52,10 @@ class Kernels:
         "paged_attention_merge": ("attention.cu", "PPPPPii"),
         "prefill_attention_partial": ("attention.cu", "PPPPPPPiPPPiiiif"),
         "silu_and_mul": ("activation.cu", "PPi"),
-        "gemv": ("gemv.cu", "PiPPiii"),
-        "gemv_rmsnorm": ("gemv.cu", "PPPfPiii"),
-        "gemv_add": ("gemv.cu", "PPPiii"),
-        "gemv_rmsnorm_rope": ("gemv.cu", "PPPfPPPPPPiiiiii"),
-        "gemv_rmsnorm_silu": ("gemv.cu", "PPPfPiii"),
+        "gemv": ("gemv.cu", "PiPPii"),
+        "gemv_add": ("gemv.cu", "PPPii"),
+        "gemv_rmsnorm_rope": ("gemv.cu", "PPPfPPPPPPiiiii"),
+        "gemv_rmsnorm_silu": ("gemv.cu", "PPPfPii"),
         "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
         "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
     }

@@ -253,25 +253,22 @@ def test_cublas_linear(cuda_context, tokens, d_in, d_out, out_f32):
     blas.close()
 
 
-@pytest.mark.parametrize("rows, d_in, d_out, out_f32", [(1, 2048, 3072, False), (3, 8192, 2048, False),
-                                                        (8, 2048, 16384, False), (2, 2048, 128256, True), (5, 576, 1002, False),
-                                                        (4, 1000, 33, False),
-                                                        (2, 4104, 40, False), (1, 16384, 24, True)])  # (rows split over 2 and 8 warps)
-def test_gemv_matches_numpy_and_each_row_alone(kernels, rows, d_in, d_out, out_f32):
-    x = RNG.standard_normal((rows, d_in)).astype(np.float32)
+@pytest.mark.parametrize("d_in, d_out, out_f32", [(2048, 3072, False), (8192, 2048, False), (2048, 16384, False),
+                                                  (2048, 128256, True), (576, 1002, False), (1000, 33, False),
+                                                  (4104, 40, False), (16384, 24, True)])  # (rows split over 2 and 8 warps)
+def test_gemv_matches_numpy_on_any_grid(kernels, d_in, d_out, out_f32):
+    x = RNG.standard_normal(d_in).astype(np.float32)
     w = RNG.standard_normal((d_out, d_in)).astype(np.float32) / np.sqrt(d_in)
     xg, wg = up_bf16(x), up_bf16(w)
 
-    def gemv(n: int, blocks: int | None = None) -> np.ndarray:
-        y = gpuarray.to_gpu(np.full((n, d_out), np.nan, np.float32)) if out_f32 else poisoned_bf16((n, d_out))
-        launch(kernels.gemv, *gemv_grid(d_out, blocks), y, np.int32(out_f32), xg, wg, np.int32(n), np.int32(d_in),
-               np.int32(d_out))
+    def gemv(blocks: int | None = None) -> np.ndarray:
+        y = gpuarray.to_gpu(np.full(d_out, np.nan, np.float32)) if out_f32 else poisoned_bf16((d_out,))
+        launch(kernels.gemv, *gemv_grid(d_out, blocks), y, np.int32(out_f32), xg, wg, np.int32(d_in), np.int32(d_out))
         return y.get() if out_f32 else bf16_bits_to_f32(y.get())
 
-    got = gemv(rows)
-    assert rel_l2(got, bf16(x) @ bf16(w).T) < TOL
-    assert np.array_equal(gemv(1)[0], got[0])  # a row's sum does not depend on the rows beside it
-    assert np.array_equal(gemv(rows, blocks=3), got)  # nor on the grid: with fewer blocks each warp takes several rows
+    got = gemv()
+    assert rel_l2(got, bf16(w) @ bf16(x)) < TOL
+    assert np.array_equal(gemv(blocks=3), got)  # the sums do not depend on the grid: here each warp takes several rows
 
 
 def gemv_grid(d_out: int, blocks: int | None = None) -> tuple[tuple[int, int], tuple[int, int, int]]:
@@ -279,98 +276,83 @@ def gemv_grid(d_out: int, blocks: int | None = None) -> tuple[tuple[int, int], t
     return (blocks or -(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1)
 
 
-def separate_gemv(kernels, x: gpuarray.GPUArray, w: gpuarray.GPUArray, rows: int, d_in: int, d_out: int) -> gpuarray.GPUArray:
-    y = poisoned_bf16((rows, d_out))
-    launch(kernels.gemv, *gemv_grid(d_out), y, np.int32(0), x, w, np.int32(rows), np.int32(d_in), np.int32(d_out))
+def separate_gemv(kernels, x: gpuarray.GPUArray, w: gpuarray.GPUArray, d_in: int, d_out: int) -> gpuarray.GPUArray:
+    y = poisoned_bf16((1, d_out))
+    launch(kernels.gemv, *gemv_grid(d_out), y, np.int32(0), x, w, np.int32(d_in), np.int32(d_out))
     return y
 
 
-def separate_add(kernels, residual: gpuarray.GPUArray, delta: gpuarray.GPUArray, rows: int, hidden: int) -> None:
+def separate_add(kernels, residual: gpuarray.GPUArray, delta: gpuarray.GPUArray, hidden: int) -> None:
     """residual += delta by add_rmsnorm (its normalised output is dropped)."""
-    launch(kernels.add_rmsnorm, (rows, 1), (256, 1, 1), residual, delta, up_bf16(np.ones(hidden, np.float32)),
-           poisoned_bf16((rows, hidden)), i32(np.arange(rows)), np.int32(hidden), np.float32(1e-5))
+    launch(kernels.add_rmsnorm, (1, 1), (256, 1, 1), residual, delta, up_bf16(np.ones(hidden, np.float32)),
+           poisoned_bf16((1, hidden)), i32([0]), np.int32(hidden), np.float32(1e-5))
 
 
-def separate_rmsnorm(kernels, residual: gpuarray.GPUArray, norm_weight: gpuarray.GPUArray, rows: int,
-                     hidden: int) -> gpuarray.GPUArray:
+def separate_rmsnorm(kernels, residual: gpuarray.GPUArray, norm_weight: gpuarray.GPUArray, hidden: int) -> gpuarray.GPUArray:
     """RMSNorm(residual) by add_rmsnorm with no delta."""
-    h = poisoned_bf16((rows, hidden))
-    launch(kernels.add_rmsnorm, (rows, 1), (256, 1, 1), residual, np.uintp(0), norm_weight, h, i32(np.arange(rows)),
-           np.int32(hidden), np.float32(1e-5))
+    h = poisoned_bf16((1, hidden))
+    launch(kernels.add_rmsnorm, (1, 1), (256, 1, 1), residual, np.uintp(0), norm_weight, h, i32([0]), np.int32(hidden),
+           np.float32(1e-5))
     return h
 
 
-# The fused GEMVs (gemv.cu) against the kernels they replace, bit for bit.
-@pytest.mark.parametrize("rows, hidden, d_out", [(1, 2048, 3072), (3, 576, 1536), (2, 64, 40)])
-@pytest.mark.parametrize("blocks", [None, 2])
-def test_gemv_rmsnorm_equals_add_rmsnorm_then_gemv(kernels, rows, hidden, d_out, blocks):
-    residual = bf16(RNG.standard_normal((rows, hidden)).astype(np.float32))
-    norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
-    w = up_bf16(RNG.standard_normal((d_out, hidden)).astype(np.float32) / np.sqrt(hidden))
-    res_gpu = gpuarray.to_gpu(residual)
-    expected = separate_gemv(kernels, separate_rmsnorm(kernels, res_gpu, norm_weight, rows, hidden), w, rows, hidden, d_out)
-    y = poisoned_bf16((rows, d_out))
-    launch(kernels.gemv_rmsnorm, *gemv_grid(d_out, blocks), y, res_gpu, norm_weight, np.float32(1e-5), w, np.int32(rows),
-           np.int32(hidden), np.int32(d_out), shared_size=rows * hidden * 2)
-    assert np.array_equal(y.get(), expected.get())
-    assert np.array_equal(res_gpu.get(), residual)  # read, not written
-
-
+# The fused GEMVs (gemv.cu) against the kernels they replace, bit for bit, for one token.
 # (Llama 3.2 1B, SmolLM2-135M and Llama 3.2 3B's attention shapes)
-@pytest.mark.parametrize("rows, heads, kv_heads, D, hidden", [(1, 32, 8, 64, 2048), (3, 9, 3, 64, 576),
-                                                             (2, 24, 8, 128, 3072)])
+@pytest.mark.parametrize("heads, kv_heads, D, hidden", [(32, 8, 64, 2048), (9, 3, 64, 576), (24, 8, 128, 3072)])
 @pytest.mark.parametrize("blocks", [None, 2])
-def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(kernels, rows, heads, kv_heads, D, hidden, blocks):
-    residual = gpuarray.to_gpu(bf16(RNG.standard_normal((rows, hidden)).astype(np.float32)))
+def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(kernels, heads, kv_heads, D, hidden, blocks):
+    residual = gpuarray.to_gpu(bf16(RNG.standard_normal((1, hidden)).astype(np.float32)))
     norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
     width, slots_total = (heads + 2 * kv_heads) * D, 64
     w = up_bf16(RNG.standard_normal((width, hidden)).astype(np.float32) / np.sqrt(hidden))
-    positions, slots = i32(RNG.integers(0, 5000, rows)), i32(RNG.permutation(slots_total)[:rows])
+    positions, slots = i32(RNG.integers(0, 5000, 1)), i32(RNG.integers(0, slots_total, 1))
     cos_sin = cos_sin_table(kernels, llama3_inv_freq(D), 5000)
 
     def caches() -> tuple[gpuarray.GPUArray, gpuarray.GPUArray]:
         return poisoned_bf16((slots_total, kv_heads, D)), poisoned_bf16((slots_total, kv_heads, D))
-    expected_qkv = separate_gemv(kernels, separate_rmsnorm(kernels, residual, norm_weight, rows, hidden), w, rows, hidden, width)
+    expected_qkv = separate_gemv(kernels, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, width)
     expected_k, expected_v = caches()
-    launch(kernels.rope_and_cache, (rows, 1), rope_and_cache_block(heads, kv_heads, D), expected_qkv, expected_k, expected_v,
+    launch(kernels.rope_and_cache, (1, 1), rope_and_cache_block(heads, kv_heads, D), expected_qkv, expected_k, expected_v,
            positions, slots, cos_sin, np.int32(heads), np.int32(kv_heads), np.int32(D))
-    qkv = poisoned_bf16((rows, width))
+    qkv = poisoned_bf16((1, width))
     k_cache, v_cache = caches()
     launch(kernels.gemv_rmsnorm_rope, *gemv_grid(width // 2, blocks), qkv, residual, norm_weight, np.float32(1e-5), w,
-           k_cache, v_cache, positions, slots, cos_sin, np.int32(heads), np.int32(kv_heads), np.int32(D), np.int32(rows),
-           np.int32(hidden), np.int32(width // 2), shared_size=rows * hidden * 2)
+           k_cache, v_cache, positions, slots, cos_sin, np.int32(heads), np.int32(kv_heads), np.int32(D),
+           np.int32(hidden), np.int32(width // 2), shared_size=hidden * 2)
     q = heads * D
     assert np.array_equal(qkv.get()[:, :q], expected_qkv.get()[:, :q])  # q, rotated in place
-    assert np.array_equal(k_cache.get(), expected_k.get())  # k and v in their slots, and nothing else written
+    assert np.array_equal(k_cache.get(), expected_k.get())  # k and v in their slot, and nothing else written
     assert np.array_equal(v_cache.get(), expected_v.get())
 
 
-@pytest.mark.parametrize("rows, hidden, inter", [(1, 2048, 8192), (3, 576, 1536), (2, 64, 40)])
+@pytest.mark.parametrize("hidden, inter", [(2048, 8192), (576, 1536), (64, 40)])
 @pytest.mark.parametrize("blocks", [None, 2])
-def test_gemv_rmsnorm_silu_equals_add_rmsnorm_then_gemv_then_silu(kernels, rows, hidden, inter, blocks):
-    residual = gpuarray.to_gpu(bf16(RNG.standard_normal((rows, hidden)).astype(np.float32)))
+def test_gemv_rmsnorm_silu_equals_add_rmsnorm_then_gemv_then_silu(kernels, hidden, inter, blocks):
+    residual_values = bf16(RNG.standard_normal((1, hidden)).astype(np.float32))
+    residual = gpuarray.to_gpu(residual_values)
     norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
     # gate rows, then up rows; scaled so that the gates spread over SiLU's curve
     w = up_bf16(RNG.standard_normal((2 * inter, hidden)).astype(np.float32) * 3 / np.sqrt(hidden))
-    gate_up = separate_gemv(kernels, separate_rmsnorm(kernels, residual, norm_weight, rows, hidden), w, rows, hidden, 2 * inter)
-    expected = poisoned_bf16((rows, inter))
-    launch(kernels.silu_and_mul, (-(-inter // (8 * 256)), rows), (256, 1, 1), expected, gate_up, np.int32(inter))
-    act = poisoned_bf16((rows, inter))
+    gate_up = separate_gemv(kernels, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, 2 * inter)
+    expected = poisoned_bf16((1, inter))
+    launch(kernels.silu_and_mul, (-(-inter // (8 * 256)), 1), (256, 1, 1), expected, gate_up, np.int32(inter))
+    act = poisoned_bf16((1, inter))
     launch(kernels.gemv_rmsnorm_silu, *gemv_grid(inter, blocks), act, residual, norm_weight, np.float32(1e-5), w,
-           np.int32(rows), np.int32(hidden), np.int32(inter), shared_size=rows * hidden * 2)
+           np.int32(hidden), np.int32(inter), shared_size=hidden * 2)
     assert np.array_equal(act.get(), expected.get())
+    assert np.array_equal(residual.get(), residual_values)  # read, not written
 
 
-@pytest.mark.parametrize("rows, d_in, hidden", [(1, 2048, 2048), (1, 8192, 2048), (3, 576, 576), (2, 24, 40)])
+@pytest.mark.parametrize("d_in, hidden", [(2048, 2048), (8192, 2048), (576, 576), (24, 40)])
 @pytest.mark.parametrize("blocks", [None, 2])
-def test_gemv_add_equals_gemv_then_residual_add(kernels, rows, d_in, hidden, blocks):
-    residual = bf16(RNG.standard_normal((rows, hidden)).astype(np.float32))
-    x = up_bf16(RNG.standard_normal((rows, d_in)).astype(np.float32))
+def test_gemv_add_equals_gemv_then_residual_add(kernels, d_in, hidden, blocks):
+    residual = bf16(RNG.standard_normal((1, hidden)).astype(np.float32))
+    x = up_bf16(RNG.standard_normal((1, d_in)).astype(np.float32))
     w = up_bf16(RNG.standard_normal((hidden, d_in)).astype(np.float32) / np.sqrt(d_in))
     expected = gpuarray.to_gpu(residual)
-    separate_add(kernels, expected, separate_gemv(kernels, x, w, rows, d_in, hidden), rows, hidden)
+    separate_add(kernels, expected, separate_gemv(kernels, x, w, d_in, hidden), hidden)
     got = gpuarray.to_gpu(residual)
-    launch(kernels.gemv_add, *gemv_grid(hidden, blocks), got, x, w, np.int32(rows), np.int32(d_in), np.int32(hidden))
+    launch(kernels.gemv_add, *gemv_grid(hidden, blocks), got, x, w, np.int32(d_in), np.int32(hidden))
     assert np.array_equal(got.get(), expected.get())
 
 
