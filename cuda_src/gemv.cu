@@ -5,8 +5,8 @@
 // y[o] = sum_i x[i] * w[o, i]: a linear layer for a decode step of one token, which
 // must do no more than read w once. cuBLAS leaves bandwidth unused on these shapes
 // (bench/profile_step.py's gemm table has both); steps of more rows take cuBLAS. One
-// row keeps the kernel within 64 registers, 4 blocks an SM: at up to 8 rows it took 80 and
-// 3 blocks, and a batch-1 step took 1.09 ms against 0.97 (bench/RESULTS.md).
+// row keeps the kernel within 64 registers, 4 blocks an SM: built for up to 8 rows it
+// took 80 and 3 blocks, and a batch-1 step 1.09 ms against 0.97 (bench/RESULTS.md).
 //
 // grid: any number of blocks of GEMV_WARPS warps. A row of w is split into
 // gemv_split(d_in) slices of at most one warp's UNROLL loads, each taken by one warp
