@@ -21,6 +21,7 @@ extern "C" __global__ void rope_cos_sin(float2* __restrict__ cos_sin, const floa
 // cos and sin come from rope_cos_sin's table; the rounding is rope.cuh's.
 // qkv: [tokens, (heads + 2 * kv_heads) * head_dim]; caches: [slots, kv_heads, head_dim]
 // grid: tokens; block: (heads + kv_heads) * head_dim / 2 threads at most 1024, looping
+// (cuda_kernels.rope_and_cache_threads)
 extern "C" __global__ void rope_and_cache(bf16* __restrict__ qkv, bf16* __restrict__ k_cache,
                                           bf16* __restrict__ v_cache, const int* __restrict__ positions,
                                           const int* __restrict__ slots, const float2* __restrict__ cos_sin,

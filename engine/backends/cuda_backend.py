@@ -26,7 +26,7 @@ from engine.backends.cublas import Cublas, CublasError
 from engine.backends.cuda_graph import CudaGraph
 from engine.backends.cuda_kernels import (ATTENTION_THREADS, GEMV_WARPS, MAX_PART_BLOCKS, PREFILL_THREADS,
                                           SAMPLE_CLUSTER, SAMPLE_THREADS, STAGED_INPUT_BYTES, Kernels, blocks_per_sm,
-                                          gemv_split, prefill_query_rows)
+                                          gemv_split, prefill_query_rows, rope_and_cache_threads)
 from engine.backends.step_metadata import (FIELDS, PARTITION, SMALL_DECODE, StepShape, build_metadata, decode_shape,
                                            field_sizes, step_shape)
 from engine.config import ModelConfig
@@ -292,9 +292,10 @@ class CudaBackend:
         k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), pending, _ptr(layer["attn_norm"]),
                                           _ptr(b.h), m["all_rows"], np.int32(H), eps)
         self._linear(k, b.qkv, b.h, layer["qkv"], tiles, H, c.q_size + 2 * c.kv_size)
-        k.rope_and_cache.prepared_async_call((T, 1), (min(1024, (c.num_heads + c.num_kv_heads) * c.head_dim // 2), 1, 1), st,
-                                             _ptr(b.qkv), _ptr(kc), _ptr(vc), m["positions"], m["slots"], _ptr(self.cos_sin),
-                                             np.int32(c.num_heads), np.int32(c.num_kv_heads), np.int32(c.head_dim))
+        threads = rope_and_cache_threads(c.num_heads, c.num_kv_heads, c.head_dim)
+        k.rope_and_cache.prepared_async_call((T, 1), (threads, 1, 1), st, _ptr(b.qkv), _ptr(kc), _ptr(vc), m["positions"],
+                                             m["slots"], _ptr(self.cos_sin), np.int32(c.num_heads), np.int32(c.num_kv_heads),
+                                             np.int32(c.head_dim))
         self._attention(k, b, shape, kc, vc)
         self._linear(k, b.delta, b.attn, layer["o"], tiles, c.q_size, H)
         k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(b.delta), _ptr(layer["mlp_norm"]),

@@ -22,6 +22,11 @@ def prefill_query_rows(group: int) -> int:
     return PREFILL_M_TILE // group
 
 
+def rope_and_cache_threads(heads: int, kv_heads: int, head_dim: int) -> int:
+    """rope_and_cache's block: a thread per rotated pair of q and k, at most 1024 (it loops)."""
+    return min(1024, (heads + kv_heads) * head_dim // 2)
+
+
 def blocks_per_sm(fn, threads: int) -> int:
     """Blocks of a kernel an SM holds at once as its registers allow (64K an SM,
     allocated 8 a thread at a time; 2,048 threads an SM)."""

@@ -21,6 +21,7 @@ from engine.backends import numpy_backend as ref  # noqa: E402
 from engine.backends.cublas import Cublas  # noqa: E402
 from engine.backends.cuda_kernels import (  # noqa: E402
     ATTENTION_THREADS, GEMV_WARPS, PREFILL_THREADS, SAMPLE_CLUSTER, SAMPLE_THREADS, Kernels, prefill_query_rows,
+    rope_and_cache_threads,
 )
 from engine.backends.step_metadata import PARTITION, SMALL_DECODE_PARTITION  # noqa: E402
 from engine.sampler import apply_penalties  # noqa: E402
@@ -118,7 +119,7 @@ def cos_sin_table(kernels, inv_freq: np.ndarray, positions: int) -> gpuarray.GPU
 
 
 def rope_and_cache_block(heads: int, kv_heads: int, D: int) -> tuple[int, int, int]:
-    return min(1024, (heads + kv_heads) * D // 2), 1, 1
+    return rope_and_cache_threads(heads, kv_heads, D), 1, 1
 
 
 def test_rope_cos_sin_table(kernels):
