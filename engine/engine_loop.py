@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import traceback
 from typing import Callable
 
 from engine.llm_engine import LLMEngine
@@ -60,7 +59,7 @@ class EngineLoop:
             try:
                 self.engine.step_overlapped(self.publish)
             except Exception as e:  # a fault fails the requests of this step only...
-                log.error("engine step failed:\n%s", traceback.format_exc())
+                log.exception("engine step failed")
                 error = f"engine fault: {type(e).__name__}: {e}"
                 outputs = self.engine.fail_step(error)
                 if getattr(self.engine.backend, "is_fatal", lambda _: False)(e):

@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server.engine_client import EngineClient, EngineProcess, InProcessEngine
+from server.log_format import logging_settings
 from server.interceptors import OPEN_SERVICES, BearerTokenAuth, RejectMalformed
 from server.observability import Observer
 from server.servicer import GenerationServicer
@@ -96,13 +97,19 @@ def _read_token(path: str) -> str:
 
 
 class LoadingProgress:
-    """A progress bar on stderr while weights load or a GGUF converts."""
+    """A progress bar while weights load or a GGUF converts, where stderr is a terminal
+    and the logs are text; elsewhere a record when done (a bar's lines are no records)."""
 
     def __init__(self, what: str = "loading weights") -> None:
         self.what = what
         self.bar: tqdm | None = None
+        self.as_bar = logging_settings()[1] == "text" and sys.stderr.isatty()
 
     def __call__(self, done: int, total: int) -> None:
+        if not self.as_bar:
+            if done == total:
+                log.info("%s: %d of %d done", self.what, done, total)
+            return
         if self.bar is None:
             self.bar = tqdm(total=total, desc=self.what, unit="tensor", file=sys.stderr, leave=True)
         self.bar.update(done - self.bar.n)

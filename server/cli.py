@@ -7,7 +7,7 @@ import logging
 import sys
 
 from server.app import ServerConfig
-from server.observability import configure_logging
+from server.log_format import LOG_FORMATS, configure_logging
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +49,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-prompts", action="store_true", help="log each request's prompt (never logged otherwise)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="text (one line a record, control characters escaped) or json (one object a line)")
 
 
 def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("gguf", help="input .gguf file")
     convert.add_argument("out_dir", help="output directory")
     args = parser.parse_args(argv)
-    configure_logging(getattr(args, "log_level", "INFO"))
+    configure_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
 
     if args.command == "convert-gguf":
         from engine.model_loader import convert_gguf

@@ -24,7 +24,7 @@ from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineInfo, EngineStats, LLMEngine
 from engine.output import RequestOutput
 from engine.sequence import FinishReason, Sequence
-from server.observability import configure_logging
+from server.log_format import configure_logging, logging_settings
 
 
 class OutputSink(Protocol):
@@ -138,7 +138,7 @@ class EngineProcess(EngineClient):
     def __init__(self, build: Callable[[], LLMEngine], on_fatal: Callable[[str], None] | None = None):
         context = multiprocessing.get_context("spawn")  # (a forked child would share the parent's CUDA and gRPC state)
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_engine_process_main, args=(build, child, logging.getLogger().level),
+        self._process = context.Process(target=_engine_process_main, args=(build, child, *logging_settings()),
                                         name="llamastream-engine", daemon=True)
         self._process.start()
         child.close()
@@ -211,10 +211,11 @@ class EngineProcess(EngineClient):
                 self._route([RequestOutput(rid, finish_reason=FinishReason.ERROR, error=error) for rid in in_flight])
 
 
-def _engine_process_main(build: Callable[[], LLMEngine], conn: Connection, log_level: int) -> None:
+def _engine_process_main(build: Callable[[], LLMEngine], conn: Connection, log_level: int, log_format: str) -> None:
     """The engine process: build the engine, then step it on its thread while this one
-    passes the server's requests on, until the server says stop or goes away."""
-    configure_logging(log_level)
+    passes the server's requests on, until the server says stop or goes away. It logs
+    as the server does."""
+    configure_logging(log_level, log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C drains the server, which then stops us
     try:
         engine = build()

@@ -14,7 +14,6 @@ from engine.llm_engine import EngineStats
 from engine.output import Usage
 
 log = logging.getLogger("llamastream.requests")
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
 
@@ -27,11 +26,6 @@ class RequestRecord:
     status: str = "OK"  # the gRPC status code's name
     finish_reason: str = ""
     usage: Usage | None = None
-
-
-def configure_logging(level: int | str) -> None:
-    """The server's log format on stderr (the engine's process calls it too)."""
-    logging.basicConfig(level=level, format=LOG_FORMAT)
 
 
 class _EngineCollector:
@@ -98,4 +92,4 @@ class Observer:
         if usage is not None:
             fields.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                           ttft_ms=f"{usage.time_to_first_token_ms:.1f}", total_ms=f"{usage.total_ms:.1f}")
-        log.info(" ".join(f"{k}={v}" for k, v in fields.items()))
+        log.info("", extra={"fields": fields})

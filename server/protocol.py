@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import uuid
+
 from engine.output import RequestOutput
 from engine.sampler import TokenLogprob
 from engine.sampling_params import InvalidRequest, SamplingParams
@@ -15,10 +18,28 @@ _FINISH_REASONS = {
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 MAX_CHAT_MESSAGES = 1024
+# Every response message carries the id, and every request log line: bounded, and
+# made of characters that print as themselves (UUIDs, ULIDs, "chatcmpl-..." all fit).
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID = re.compile(r"[!-~]*")  # printable ASCII, no space
 
 
 def _optional(msg, name: str, default):
     return getattr(msg, name) if msg.HasField(name) else default
+
+
+def request_id(req: pb.GenerateRequest) -> str:
+    """The request's id, or a new one if it has none."""
+    rid = req.request_id
+    if not rid:
+        return uuid.uuid4().hex
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
+    if not _REQUEST_ID.fullmatch(rid):
+        bad = next(c for c in rid if not _REQUEST_ID.fullmatch(c))
+        raise InvalidRequest(f"request_id holds {ascii(bad)}: use printable ASCII characters (letters, digits, "
+                             "punctuation) and no spaces")
+    return rid
 
 
 def sampling_params(req: pb.GenerateRequest) -> SamplingParams:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import uuid
 
 import grpc
 
@@ -53,7 +52,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                f"the engine has stopped: {self.engine.fatal_error or 'restart the server'}")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        record = RequestRecord(request.request_id or uuid.uuid4().hex)
+        record = RequestRecord("-")  # (until the request's id is known to be fit to log)
         try:
             async for response in self._generate(request, context, record):
                 yield response
@@ -66,8 +65,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, record: RequestRecord):
         await self._check_available(context, record)
-        request_id = record.request_id
         try:
+            request_id = record.request_id = protocol.request_id(request)
             ids = protocol.prompt_ids(request, self.tokenizer)
             seq = self.info.make_sequence(request_id, ids, protocol.sampling_params(request))
         except InvalidRequest as e:

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llamastream.v1 import generation_pb2 as pb
+from server.log_format import format_fields
 from tests.serving import collect, local_server, stub
 
 
@@ -49,7 +50,7 @@ def test_metrics_and_request_log_agree_with_what_was_sent(caplog, engine_process
     assert m[("llamastream:num_requests_running", ())] == m[("llamastream:num_requests_waiting", ())] == 0
     assert m[("llamastream:kv_cache_blocks_used", ())] == 0 and m[("llamastream:kv_cache_blocks_free", ())] == 64
     assert m[("llamastream:num_preemptions_total", ())] == 0
-    lines = [r.getMessage() for r in caplog.records if r.name == "llamastream.requests"]
+    lines = [format_fields(r.fields) for r in caplog.records if r.name == "llamastream.requests"]
     assert len(lines) == 3
     assert re.fullmatch(r"request_id=ok0 status=OK finish_reason=length prompt_tokens=5 completion_tokens=3 "
                         r"ttft_ms=[\d.]+ total_ms=[\d.]+", lines[0])

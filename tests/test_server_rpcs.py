@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from engine.sampling_params import MAX_STOP_STRINGS
+from server.protocol import MAX_REQUEST_ID_CHARS
 from llamastream.v1 import generation_pb2 as pb
 from tests.serving import check_stream_shape, collect, local_server, stub
 
@@ -102,6 +103,12 @@ def test_duplicate_request_id_is_refused(client):
     call.cancel()
 
 
+def test_a_request_id_of_the_longest_allowed_length_is_echoed(client):
+    rid = "x" * MAX_REQUEST_ID_CHARS
+    msgs, _ = collect(client.Generate(long_request(max_tokens=3, request_id=rid), timeout=30))
+    assert {m.request_id for m in msgs} == {rid}
+
+
 def test_tokenize_and_model_info(client, server):
     tok = server.engine.info.tokenizer
     r = client.Tokenize(pb.TokenizeRequest(text="hello world", add_special_tokens=True), timeout=5)
@@ -148,6 +155,11 @@ BAD_REQUESTS = [
     ("huge stop string", _req(stop=pb.StopCriteria(stop=["x" * 10000])), "stop"),
     ("stop token outside the vocabulary", _req(stop=pb.StopCriteria(stop_token_ids=[99999])), "stop_token_ids"),
     ("too many top_logprobs", _req(output=pb.OutputOptions(top_logprobs=1000)), "top_logprobs"),
+    ("a 100,000-character request_id", _req(request_id="r" * 100_000), "at most 128"),
+    ("a 3 MiB request_id", _req(request_id="r" * 3 * 2**20), "at most 128"),
+    ("a request_id with a newline", _req(request_id="a\nINFO llamastream.requests: request_id=b status=OK"), "'\\n'"),
+    ("a request_id with an ANSI escape", _req(request_id="a\x1b[31m"), "'\\x1b'"),
+    ("a request_id with a space", _req(request_id="a b"), "no spaces"),
 ]
 
 
