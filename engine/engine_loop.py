@@ -37,7 +37,8 @@ class EngineLoop:
     def stop(self) -> None:
         self._stopping.set()
         self._inbox.put(None)
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:  # (started)
+            self._thread.join(timeout=10)
 
     @property
     def alive(self) -> bool:

@@ -7,6 +7,7 @@ and processes.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingP
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import PENDING, FinishReason, Sequence
 from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("llamastream.engine")
 
 
 @dataclass
@@ -44,6 +47,8 @@ class EngineInfo:
     max_model_len: int
     num_kv_blocks: int
     block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
 
     def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Check a request against the model and the context; raise InvalidRequest if it cannot run."""
@@ -91,16 +96,29 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         backend.allocate_kv_cache(config.num_kv_blocks, config.block_size, config.max_num_seqs)
-        cache_tokens = config.num_kv_blocks * config.block_size
-        max_model_len = min(model.config.max_position_embeddings, cache_tokens, config.max_model_len or cache_tokens)
+        max_model_len = self._context_length(model.config.max_position_embeddings)
         self.info = EngineInfo(model.name, model.config, model.tokenizer, backend.name, max_model_len,
-                               config.num_kv_blocks, config.block_size)
+                               config.num_kv_blocks, config.block_size, config.max_num_seqs,
+                               config.max_num_batched_tokens)
         self._streams: dict[str, OutputStream] = {}
         # batches launched and not yet ended, oldest first, each with what waits for its samples
         self._in_flight: deque[tuple[list[ScheduledSeq], Callable[[], list[SampleOutput | None]]]] = deque()
         self._launching: list[ScheduledSeq] = []  # a batch being queued on the backend
         self._unsent: list[OutputStream] = []  # streams with recorded tokens not yet emitted
         self._with_penalties = 0  # live requests whose sampling reads their earlier tokens
+
+    def _context_length(self, model_context: int) -> int:
+        """The model's context, or max_model_len, within the KV cache; says why if it is less than asked."""
+        asked = self.config.max_model_len
+        cache_tokens = self.config.num_kv_blocks * self.config.block_size
+        length = min(model_context, cache_tokens, asked or model_context)
+        if asked and asked > length:
+            limit = "the model's context" if length == model_context else "what the KV cache holds"
+            log.warning("--max-model-len %d is more than %s: the context is %d tokens", asked, limit, length)
+        elif length < model_context and not asked:
+            log.warning("the KV cache holds %d tokens, less than the model's %d-token context: the context is %d "
+                        "(more KV-cache memory gives more)", cache_tokens, model_context, length)
+        return length
 
     # -- admission (pure: safe to call from any thread) -------------------------
     def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import ModelConfig
-from engine.gguf_meta import config_from_gguf
+from engine.gguf_meta import config_from_gguf, open_gguf
 from engine.tokenizer import Tokenizer
 from engine.weights import Progress, Weights, check_weights, load_gguf_weights, load_hf_weights
 
@@ -54,9 +54,7 @@ def load_model(path: str | Path | None = None, progress: Progress | None = None)
         tokenizer = Tokenizer.from_hf_dir(model_path, eos if isinstance(eos, list) else [eos] if eos is not None else None)
         name = model_path.name
     elif model_path.suffix == ".gguf":
-        from gguf import GGUFReader
-
-        reader = GGUFReader(model_path)
+        reader = open_gguf(model_path)
         name = model_path.stem
         config = config_from_gguf(reader)
         weights = load_gguf_weights(reader, config, progress)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import signal
 import sys
 import threading
@@ -23,22 +24,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tqdm import tqdm
 
-from engine.backends import create_backend
+from engine.backends import DEFAULT_TOKEN_BUDGETS, create_backend
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import load_model
 from engine.sampling_params import SamplingParams
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server.engine_client import EngineClient, EngineProcess, InProcessEngine
-from server.log_format import logging_settings
 from server.interceptors import OPEN_SERVICES, BearerTokenAuth, RejectMalformed
+from server.log_format import logging_settings
 from server.observability import Observer
+from server.preflight import SettingsError, check_listen_address, read_token, server_credentials
 from server.servicer import GenerationServicer
 from server.streams import OutputHub
 
 log = logging.getLogger("llamastream.server")
 SWITCH_INTERVAL_S = 0.0001  # see start(); measured with bench/server_overhead.py --host-ms 1 --gil-releases 6
+CUT_WAIT_S = 5.0  # for the streams cut at the end of a drain to be told
 ENGINE_CHECK_S = 1.0  # how often the streams' hub checks that the engine still runs
+MIN_MESSAGE_BYTES = 64 * 2**10  # a response with 20 top logprobs a token, and prompts of thousands of tokens
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
@@ -55,7 +59,7 @@ class ServerConfig:
     enforce_eager: bool = False  # cuda backend: no CUDA graphs
     batch_invariant: bool = False  # cuda backend: a token's result independent of its batch
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # default: the backend's (DEFAULT_TOKEN_BUDGETS)
     max_model_len: int | None = None
     engine_process: bool = True  # False: the engine on a thread of the server's process
     max_waiting: int = 256
@@ -69,31 +73,6 @@ class ServerConfig:
     auth_health_and_reflection: bool = False  # the token is needed for those too
     log_prompts: bool = False
     metrics_port: int | None = None  # Prometheus /metrics over HTTP (0: any free port)
-
-
-def _read(path: str, flag: str) -> bytes:
-    try:
-        return open(path, "rb").read()
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from e
-
-
-def _server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
-    """TLS from --tls-cert/--tls-key, mutual when --tls-client-ca is given; None: plaintext."""
-    if not (cfg.tls_cert or cfg.tls_key or cfg.tls_client_ca):
-        return None
-    if not (cfg.tls_cert and cfg.tls_key):
-        raise ValueError("TLS needs both --tls-cert and --tls-key (PEM files)")
-    pair = (_read(cfg.tls_key, "--tls-key"), _read(cfg.tls_cert, "--tls-cert"))
-    client_ca = _read(cfg.tls_client_ca, "--tls-client-ca") if cfg.tls_client_ca else None
-    return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
-
-
-def _read_token(path: str) -> str:
-    token = _read(path, "--auth-token-file").decode().strip()
-    if not token:
-        raise ValueError(f"--auth-token-file: {path} is empty: put the bearer token in it")
-    return token
 
 
 class LoadingProgress:
@@ -123,22 +102,33 @@ def build_engine(cfg: ServerConfig) -> LLMEngine:
     model = load_model(cfg.model, LoadingProgress())
     backend = create_backend(cfg.device, model.config, model.weights, cuda_graphs=not cfg.enforce_eager,
                              batch_invariant=cfg.batch_invariant)
-    if cfg.num_kv_blocks:
-        num_blocks = cfg.num_kv_blocks
-    elif backend.name == "cuda":
-        num_blocks = backend.blocks_for_memory_fraction(cfg.gpu_memory_utilization, cfg.block_size)
-    else:
-        num_blocks = int(cfg.kv_cache_memory_gb * 2**30 // backend.kv_cache_bytes_per_block(cfg.block_size))
     engine = LLMEngine(model, backend, EngineConfig(
         block_size=cfg.block_size,
-        num_kv_blocks=num_blocks,
+        num_kv_blocks=cfg.num_kv_blocks or _kv_cache_blocks(cfg, backend),
         max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_batched_tokens=cfg.max_num_batched_tokens or DEFAULT_TOKEN_BUDGETS[backend.name],
         max_model_len=cfg.max_model_len,
     ))
-    log.info("model %s on %s: %d KV blocks of %d tokens (%d tokens), context %d",
-             model.name, backend.name, num_blocks, cfg.block_size, num_blocks * cfg.block_size, engine.info.max_model_len)
     return engine
+
+
+def _kv_cache_blocks(cfg: ServerConfig, backend) -> int:
+    """The KV-cache blocks the memory settings hold (at least one, or SettingsError)."""
+    per_block = backend.kv_cache_bytes_per_block(cfg.block_size)
+    if backend.name == "cuda":
+        blocks = backend.blocks_for_memory_fraction(cfg.gpu_memory_utilization, cfg.block_size)
+        if blocks < 1:
+            raise SettingsError(f"--gpu-memory-utilization {cfg.gpu_memory_utilization} leaves no memory for the KV "
+                                "cache once the weights and activations have theirs: raise it (the default is 0.9)")
+        return blocks
+    blocks = int(cfg.kv_cache_memory_gb * 2**30 // per_block)
+    if blocks < 1:
+        smallest = math.ceil(per_block / 2**30 * 1e4) / 1e4
+        raise SettingsError(f"--kv-cache-memory-gb {cfg.kv_cache_memory_gb} holds no KV-cache block: one block of "
+                            f"{cfg.block_size} tokens takes {per_block / 2**20:.2f} MiB, so use at least {smallest} "
+                            f"(the default, {ServerConfig.kv_cache_memory_gb}, holds "
+                            f"{int(ServerConfig.kv_cache_memory_gb * 2**30 // per_block) * cfg.block_size} tokens)")
+    return blocks
 
 
 class Server:
@@ -146,39 +136,50 @@ class Server:
         """`build` makes the engine from the settings: a module-level function (or a
         partial of one), so that it can be sent to the engine's process."""
         self.cfg = cfg
-        # (settings that can be wrong are read before the model, which takes a while)
-        self._credentials = _server_credentials(cfg)
+        # Settings that can be wrong are checked, and the metrics port taken, before the
+        # model loads, which takes a while.
+        self._credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
         self._interceptors = [RejectMalformed()]
         if cfg.auth_token_file:
-            self._interceptors.insert(0, BearerTokenAuth(_read_token(cfg.auth_token_file),
+            self._interceptors.insert(0, BearerTokenAuth(read_token(cfg.auth_token_file),
                                                          () if cfg.auth_health_and_reflection else OPEN_SERVICES))
-        make_engine = functools.partial(build, cfg)
-        self.engine: EngineClient = (EngineProcess(make_engine, self._on_fatal) if cfg.engine_process
-                                     else InProcessEngine(make_engine(), self._on_fatal))
+        check_listen_address(cfg.host, cfg.port, "--port")
+        self.engine: EngineClient | None = None
+        self.servicer: GenerationServicer | None = None
+        self.exit_code = 0  # 1 once the engine has failed
+        self.observer = Observer()
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.observer.serve_http(
+                cfg.host, cfg.metrics_port, live=lambda: self.exit_code == 0,
+                ready=lambda: self.servicer is not None and self.servicer.accepting.is_set() and self.engine.alive)
+        try:
+            make_engine = functools.partial(build, cfg)
+            self.engine = (EngineProcess(make_engine, self._on_fatal) if cfg.engine_process
+                           else InProcessEngine(make_engine(), self._on_fatal))
+        except BaseException:
+            self.observer.close()
+            raise
         info = self.engine.info
+        self.observer.watch_engine(self.engine.stats, info.num_kv_blocks)
         self._engine_watch = None  # started with the engine
-        self.exit_code = 0
         self._stop = threading.Event()
         self.aio = asyncio.new_event_loop()
         self._aio_thread = threading.Thread(target=self.aio.run_forever, name="grpc", daemon=True)
         self._aio_thread.start()
-        self.observer = Observer(self.engine.stats, info.num_kv_blocks)
         self.servicer = GenerationServicer(self.engine, OutputHub(self.aio, cfg.max_stream_backlog), self.observer,
                                            cfg.max_num_seqs + cfg.max_waiting, log_prompts=cfg.log_prompts)
         self.health = health.aio.HealthServicer()
         self.port = self._on_aio(self._listen())
-        if cfg.metrics_port is not None:
-            self.metrics_port = self.observer.serve_metrics(cfg.host, cfg.metrics_port)
-            log.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
 
     def _on_aio(self, coroutine):
         """Run a coroutine on the server's loop from another thread; wait for its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.aio).result()
 
     async def _listen(self) -> int:
-        limits = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
-                  ("grpc.max_send_message_length", self.cfg.max_message_bytes)]
-        self.grpc_server = grpc.aio.server(interceptors=self._interceptors, options=limits)
+        options = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
+                   ("grpc.max_send_message_length", self.cfg.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]  # (with it, a second server on the port would quietly share it)
+        self.grpc_server = grpc.aio.server(interceptors=self._interceptors, options=options)
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
@@ -186,12 +187,13 @@ class Server:
             self.grpc_server,
         )
         address = f"{self.cfg.host}:{self.cfg.port}"
-        if self._credentials is None:
-            port = self.grpc_server.add_insecure_port(address)
-        else:
-            port = self.grpc_server.add_secure_port(address, self._credentials)
-        if port == 0:
-            raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}: is the port in use?")
+        try:
+            if self._credentials is None:
+                port = self.grpc_server.add_insecure_port(address)
+            else:
+                port = self.grpc_server.add_secure_port(address, self._credentials)
+        except RuntimeError as e:  # (taken while the model loaded: check_listen_address passed)
+            raise SettingsError(f"--port {self.cfg.port}: cannot listen on {address} (in use?): choose another --port") from e
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         return port
 
@@ -210,9 +212,24 @@ class Server:
         self._warm_up()
         self.servicer.accepting.set()
         self._on_aio(self._set_health(health_pb2.HealthCheckResponse.SERVING))
-        security = ("mutual TLS" if self.cfg.tls_client_ca else "TLS") if self.cfg.tls_cert else "plaintext"
-        log.info("serving llamastream.v1.Generation on %s:%d (%s%s)", self.cfg.host, self.port, security,
-                 ", bearer token" if self.cfg.auth_token_file else "")
+        log.info("serving on %s:%d: %s", self.cfg.host, self.port, self._settings_summary())
+
+    def _settings_summary(self) -> str:
+        """The effective settings, for the start-up line."""
+        cfg, info = self.cfg, self.engine.info
+        security = ("mutual TLS" if cfg.tls_client_ca else "TLS") if cfg.tls_cert else "plaintext"
+        parts = [
+            f"model {info.model_name} on {info.backend_name}",
+            f"max-num-seqs {info.max_num_seqs}",
+            f"max-num-batched-tokens {info.max_num_batched_tokens}",
+            f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens",
+            f"context {info.max_model_len}",
+            security,
+            "bearer token" if cfg.auth_token_file else "no bearer token",
+        ]
+        if cfg.metrics_port is not None:
+            parts.append(f"metrics on http://{cfg.host}:{self.metrics_port}/metrics")
+        return ", ".join(parts)
 
     def _warm_up(self) -> None:
         """One short generation through the whole engine before health says SERVING."""
@@ -225,17 +242,20 @@ class Server:
 
     def drain(self) -> None:
         """Refuse new calls (UNAVAILABLE, health NOT_SERVING), let in-flight streams
-        finish within the grace period, then stop.
+        finish within the grace period, end those that did not (UNAVAILABLE, through
+        the engine, so each gets its status and log line), then stop.
 
         grpc's own stop() would answer new calls CANCELLED, so it comes last.
         """
         log.info("draining: up to %.0f s for %d in-flight requests", self.cfg.grace, self.engine.num_in_flight())
         self.servicer.accepting.clear()
         self._on_aio(self.health.enter_graceful_shutdown())
-        deadline = time.monotonic() + self.cfg.grace
-        while self.engine.num_in_flight() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if not self._wait_until_idle(self.cfg.grace):
+            cut = self.servicer.cut_all()
+            log.warning("the %.0f s grace ran out with %d streams in flight: they end with UNAVAILABLE", self.cfg.grace, cut)
+            self._wait_until_idle(CUT_WAIT_S)
         self._on_aio(self.grpc_server.stop(grace=1.0))  # time to send the streams' last messages
+        self.servicer.close()
         if self._engine_watch is not None:
             self._engine_watch.cancel()
         self.engine.stop()
@@ -243,6 +263,13 @@ class Server:
         self.aio.call_soon_threadsafe(self.aio.stop)
         self._aio_thread.join(timeout=10)
         log.info("stopped")
+
+    def _wait_until_idle(self, seconds: float) -> bool:
+        """Wait up to `seconds` for no request to be in flight; whether none is."""
+        deadline = time.monotonic() + seconds
+        while self.engine.num_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self.engine.num_in_flight()
 
     def _on_fatal(self, error: str) -> None:
         """The engine stopped on a device error: stop serving, exit non-zero for a supervisor to restart us."""

@@ -6,26 +6,52 @@ import argparse
 import logging
 import sys
 
-from server.app import ServerConfig
+from importlib.metadata import version
+
+from engine.backends import DEFAULT_TOKEN_BUDGETS
+from server.app import MIN_MESSAGE_BYTES, ServerConfig
 from server.log_format import LOG_FORMATS, configure_logging
+
+
+def _number(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False, what: str = ""):
+    """An argparse type: a `kind` within [low, high] ((low, high] if `low_open`)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high) or value != value:  # (NaN)
+            bounds = f"{'above' if low_open else 'at least'} {low:g}" if high is None else \
+                f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: it must be {bounds}{what}")
+        return value
+    return parse
+
+
+PORT = _number(int, 0, 65535, what=" (0: any free port)")
+POSITIVE = _number(int, 1)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     p.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host})")
-    p.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
+    p.add_argument("--port", type=PORT, default=d.port, help=f"port (default {d.port})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device,
                    help="cuda, cpu (the numpy backend), or auto: cuda when a GPU and pycuda are present")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="token budget of one step; longer prompts are prefilled in chunks")
-    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+    p.add_argument("--max-num-seqs", type=POSITIVE, default=d.max_num_seqs, help="most sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=POSITIVE,
+                   help="token budget of one step; longer prompts are prefilled in chunks (default: "
+                        + ", ".join(f"{n} on {backend}" for backend, n in DEFAULT_TOKEN_BUDGETS.items()) + ")")
+    p.add_argument("--max-waiting", type=_number(int, 0), default=d.max_waiting,
                    help="requests queued beyond --max-num-seqs before new ones get RESOURCE_EXHAUSTED")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
-    p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: as many as --kv-cache-memory-gb holds)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb, help="memory for the KV cache on the CPU")
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+    p.add_argument("--block-size", type=_number(int, 1, 1024), default=d.block_size, help="tokens per KV-cache block")
+    p.add_argument("--num-kv-blocks", type=POSITIVE, help="KV-cache blocks (default: as many as --kv-cache-memory-gb holds)")
+    p.add_argument("--kv-cache-memory-gb", type=_number(float, 0, low_open=True), default=d.kv_cache_memory_gb,
+                   help="memory for the KV cache on the CPU")
+    p.add_argument("--gpu-memory-utilization", type=_number(float, 0, 1, low_open=True), default=d.gpu_memory_utilization,
                    help="fraction of the GPU's memory the server may use; the KV cache takes what the weights leave")
     p.add_argument("--enforce-eager", action="store_true",
                    help="launch every kernel from Python: no CUDA graphs for decode steps")
@@ -35,11 +61,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-in-process", dest="engine_process", action="store_false",
                    help="step the engine on a thread of the server's process instead of a process of its own "
                         "(one Python GIL for both: slower under many streams, simpler to debug or profile)")
-    p.add_argument("--max-model-len", type=int, help="context length (default: the model's, within the KV cache)")
-    p.add_argument("--grace", type=float, default=d.grace, help="seconds in-flight streams get to finish on SIGTERM")
-    p.add_argument("--max-stream-backlog", type=int, default=d.max_stream_backlog,
+    p.add_argument("--max-model-len", type=POSITIVE, help="context length (default: the model's, within the KV cache)")
+    p.add_argument("--grace", type=_number(float, 0, 3600), default=d.grace,
+                   help="seconds in-flight streams get to finish on SIGTERM")
+    p.add_argument("--max-stream-backlog", type=POSITIVE, default=d.max_stream_backlog,
                    help="tokens a client may leave unread before its stream ends with RESOURCE_EXHAUSTED")
-    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="largest request or response message")
+    p.add_argument("--max-message-bytes", type=_number(int, MIN_MESSAGE_BYTES, 2**31 - 1), default=d.max_message_bytes,
+                   help="largest request or response message")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
@@ -47,22 +75,16 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-health-and-reflection", action="store_true",
                    help="with --auth-token-file: require the token for health checks and reflection too")
     p.add_argument("--log-prompts", action="store_true", help="log each request's prompt (never logged otherwise)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    p.add_argument("--metrics-port", type=PORT,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics, and /healthz and /readyz")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="text (one line a record, control characters escaped) or json (one object a line)")
 
 
-def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_model_len",
-                 "max_stream_backlog", "max_message_bytes"):
-        value = getattr(args, name)
-        if value is not None and value < (0 if name == "port" else 1):
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llamastream", description="Streaming gRPC inference for Llama-architecture models")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('llamastream')}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_args(sub.add_parser("serve", help="serve a model over gRPC"))
     convert = sub.add_parser("convert-gguf", help="write a GGUF model as a Hugging Face directory")
@@ -75,10 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         from engine.model_loader import convert_gguf
         from server.app import LoadingProgress
 
-        print(f"wrote {convert_gguf(args.gguf, args.out_dir, LoadingProgress('converting'))}")
+        try:
+            print(f"wrote {convert_gguf(args.gguf, args.out_dir, LoadingProgress('converting'))}")
+        except (FileNotFoundError, ValueError, OSError) as e:
+            logging.getLogger("llamastream").error("convert-gguf: %s", e)
+            return 1
         return 0
 
-    _check_positive(parser, args)
     from server.app import Server
 
     cfg = ServerConfig(**{k: v for k, v in vars(args).items() if k in ServerConfig.__dataclass_fields__})

@@ -1,17 +1,22 @@
-"""What an operator sees: Prometheus metrics (names in the style of vLLM's) and one
+"""What an operator sees: Prometheus metrics (names in the style of vLLM's), HTTP
+liveness and readiness for load balancers that do not speak gRPC health, and one
 structured log line per finished request."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
+from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.llm_engine import EngineStats
 from engine.output import Usage
+from server.preflight import SettingsError
 
 log = logging.getLogger("llamastream.requests")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -20,21 +25,29 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 
 @dataclass
 class RequestRecord:
-    """What one Generate call came to; filled in as it goes."""
+    """What one Generate call came to; filled in as it goes, so that a call cut short
+    (cancelled, expired, refused mid-stream) still counts what it was sent."""
 
     request_id: str
     status: str = "OK"  # the gRPC status code's name
     finish_reason: str = ""
-    usage: Usage | None = None
+    prompt_tokens: int = 0  # once started
+    completion_tokens: int = 0  # sent so far
+    usage: Usage | None = None  # once finished
+    ended: bool = False  # its last message (or status) is decided
 
 
 class _EngineCollector:
-    """Engine state, read at scrape time: running and waiting sequences, KV blocks, preemptions."""
+    """Engine state, read at scrape time: running and waiting sequences, KV blocks,
+    preemptions (nothing until the engine is there)."""
 
-    def __init__(self, stats: Callable[[], EngineStats], num_blocks: int):
-        self.stats, self.num_blocks = stats, num_blocks
+    def __init__(self) -> None:
+        self.stats: Callable[[], EngineStats] | None = None
+        self.num_blocks = 0
 
     def collect(self):
+        if self.stats is None:
+            return
         stats = self.stats()
         gauges = [
             ("llamastream:num_requests_running", "Sequences in the running batch.", stats.running),
@@ -48,9 +61,28 @@ class _EngineCollector:
                                   value=stats.num_preemptions)
 
 
+class _Endpoints(BaseHTTPRequestHandler):
+    """Answers GET for each path of `routes` with what its function returns: (status, body, content type)."""
+
+    routes: dict[str, Callable[[], tuple[int, bytes, str]]] = {}
+
+    def do_GET(self) -> None:
+        route = self.routes.get(urlsplit(self.path).path)
+        status, body, content_type = route() if route else (
+            404, f"no such path: try {', '.join(self.routes)}\n".encode(), "text/plain; charset=utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # (scrapes and probes are not news)
+        pass
+
+
 class Observer:
-    def __init__(self, stats: Callable[[], EngineStats], num_blocks: int):
-        self._http = None
+    def __init__(self) -> None:
+        self._http: ThreadingHTTPServer | None = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("llamastream:requests", "Generate calls by final gRPC status.", ["status"], registry=r)
@@ -62,34 +94,52 @@ class Observer:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("llamastream:e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_EngineCollector(stats, num_blocks))
+        self._engine = _EngineCollector()
+        r.register(self._engine)
 
-    def serve_metrics(self, host: str, port: int) -> int:
-        """Expose /metrics over HTTP; returns the port (useful with 0)."""
+    def watch_engine(self, stats: Callable[[], EngineStats], num_blocks: int) -> None:
+        """Report the engine's state from now on."""
+        self._engine.num_blocks, self._engine.stats = num_blocks, stats
+
+    def serve_http(self, host: str, port: int, live: Callable[[], bool], ready: Callable[[], bool]) -> int:
+        """Serve GET /metrics (Prometheus), /healthz (200 while the engine runs) and
+        /readyz (200 while health is SERVING) on a thread; returns the port (useful with 0)."""
+        text = "text/plain; charset=utf-8"
+        routes = {
+            "/metrics": lambda: (200, generate_latest(self.registry), CONTENT_TYPE_LATEST),
+            "/healthz": lambda: (200, b"ok\n", text) if live() else (503, b"the engine has stopped\n", text),
+            "/readyz": lambda: (200, b"ok\n", text) if ready() else (503, b"not serving: loading or draining\n", text),
+        }
+        handler = type("Endpoints", (_Endpoints,), {"routes": routes})
         try:
-            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+            self._http = ThreadingHTTPServer((host, port), handler)
         except OSError as e:
-            raise OSError(f"cannot serve metrics on {host}:{port} ({e.strerror}): choose another --metrics-port") from e
-        return self._http.server_port
+            raise SettingsError(f"--metrics-port {port}: cannot listen on {host}:{port} ({e.strerror}): choose another "
+                                "--metrics-port") from e
+        self._http.daemon_threads = True
+        threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()
+        return self._http.server_address[1]
 
     def close(self) -> None:
         if self._http is not None:
             self._http.shutdown()
+            self._http.server_close()
             self._http = None
 
     def finished(self, record: RequestRecord) -> None:
         self.requests.labels(status=record.status).inc()
+        self.prompt_tokens.inc(record.prompt_tokens)
+        self.generation_tokens.inc(record.completion_tokens)
         usage = record.usage
         if usage is not None:
-            self.prompt_tokens.inc(usage.prompt_tokens)
-            self.generation_tokens.inc(usage.completion_tokens)
             if usage.completion_tokens:
                 self.ttft.observe(usage.time_to_first_token_ms / 1e3)
                 self.e2e.observe(usage.total_ms / 1e3)
             if usage.completion_tokens > 1:
                 self.tpot.observe((usage.total_ms - usage.time_to_first_token_ms) / 1e3 / (usage.completion_tokens - 1))
         fields = {"request_id": record.request_id, "status": record.status, "finish_reason": record.finish_reason or "-"}
+        if record.prompt_tokens:
+            fields.update(prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens)
         if usage is not None:
-            fields.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                          ttft_ms=f"{usage.time_to_first_token_ms:.1f}", total_ms=f"{usage.total_ms:.1f}")
+            fields.update(ttft_ms=f"{usage.time_to_first_token_ms:.1f}", total_ms=f"{usage.total_ms:.1f}")
         log.info("", extra={"fields": fields})

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
+import urllib.error
 import urllib.request
 
 import grpc
@@ -13,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llamastream.v1 import generation_pb2 as pb
 from server.log_format import format_fields
+from server.preflight import SettingsError
 from tests.serving import collect, local_server, stub
 
 
@@ -57,11 +60,39 @@ def test_metrics_and_request_log_agree_with_what_was_sent(caplog, engine_process
     assert lines[2] == "request_id=bad status=INVALID_ARGUMENT finish_reason=-"
 
 
-def test_a_taken_metrics_port_is_a_clear_error():
-    import socket
+def never_built(cfg):
+    raise AssertionError("the engine was built before the settings were checked")
 
+
+def test_a_taken_metrics_port_is_a_clear_error_before_the_model_loads():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        with pytest.raises(OSError, match="choose another --metrics-port"):
-            local_server(start=False, num_kv_blocks=8, metrics_port=taken.getsockname()[1])
+        with pytest.raises(SettingsError, match=f"--metrics-port {taken.getsockname()[1]}: .*choose another --metrics-port"):
+            local_server(start=False, build=never_built, metrics_port=taken.getsockname()[1])
+
+
+def test_the_http_port_serves_metrics_liveness_and_readiness():
+    server = local_server(start=False, metrics_port=0)
+    base = f"http://127.0.0.1:{server.metrics_port}"
+
+    def get(path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(base + path, timeout=5) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    try:
+        before = get("/healthz")[0], get("/readyz")[0]  # loaded, not warmed up: live, not ready
+        server.start()
+        serving = get("/healthz"), get("/readyz"), get("/metrics"), get("/")[0], get("/anything/else")[0]
+        server.servicer.accepting.clear()  # (as the drain does first)
+        draining = get("/healthz")[0], get("/readyz")[0]
+    finally:
+        server.drain()
+    assert before == (200, 503)
+    assert serving[:2] == ((200, "ok\n"), (200, "ok\n"))
+    assert serving[2][0] == 200 and "llamastream:num_requests_running" in serving[2][1]
+    assert serving[3:] == (404, 404)
+    assert draining == (200, 503)

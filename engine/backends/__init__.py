@@ -22,6 +22,11 @@ from engine.config import ModelConfig
 from engine.weights import Weights
 
 log = logging.getLogger("llamastream.engine")
+# Tokens one step may compute, by default. A step's time grows with its tokens, and
+# every running stream waits a step for its next token: on the GPU 2,048 prompt tokens
+# take a few milliseconds; on the CPU they take seconds, so the numpy backend's budget
+# is small enough that a step stays near a tenth of a second with the embedded model.
+DEFAULT_TOKEN_BUDGETS = {"cuda": 2048, "numpy": 256}
 
 
 def cuda_unavailable_reason() -> str | None:

@@ -220,7 +220,7 @@ class CudaBackend:
         with self._context():
             free, total = cuda.mem_get_info()
         budget = free - (1.0 - fraction) * total - ACTIVATION_RESERVE_BYTES
-        return max(1, int(budget // self.kv_cache_bytes_per_block(block_size)))
+        return max(0, int(budget // self.kv_cache_bytes_per_block(block_size)))
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
         """The cache, and the CUDA graphs for decode steps of up to `max_batch` sequences."""
