@@ -56,10 +56,14 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def ours(model, prompts: list[list[int]], new_tokens: int) -> float:
+def ours(model, prompts: list[list[int]], new_tokens: int, seeded: bool | None = None) -> float:
+    """Greedy decoding, or with `seeded` set, sampling (temperature 1, top-p 0.9) with
+    or without a seed per request."""
     engine = LLMEngine(model, NumpyBackend(model.config, model.weights), EngineConfig(num_kv_blocks=1024, max_num_seqs=64))
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    seqs = [engine.make_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    params = [SamplingParams(temperature=0.0 if seeded is None else 1.0, top_p=1.0 if seeded is None else 0.9,
+                             seed=i if seeded else None, max_tokens=new_tokens, ignore_eos=True)
+              for i in range(len(prompts))]
+    seqs = [engine.make_sequence(f"r{i}", p, params[i]) for i, p in enumerate(prompts)]
     start = time.perf_counter()
     for s in seqs:
         engine.add(s)
@@ -112,6 +116,10 @@ def main() -> None:
         step_s = max(step_bytes / bandwidth, batch * flops_per_token / peak)
         hf_text = f"{hf:18.1f}" if hf else f"{'(torch not installed)':>18}"
         print(f"{batch:>5} | {ours(model, ps, args.new_tokens):17.1f} | {hf_text} | {batch / step_s:21.1f}")
+    print("sampled, temperature 1 and top-p 0.9, batch 4:")
+    print(f"{'seeds':>11} | {'llamastream tok/s':>17}")
+    for seeded in (False, True):
+        print(f"{'per request' if seeded else 'none':>11} | {ours(model, prompts[:4], args.new_tokens, seeded):17.1f}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ class BlockManager:
         total = -(-num_tokens // self.block_size)
         return max(0, total - len(seq.block_table))
 
+    def room(self, seq: Sequence) -> int:
+        """Tokens `seq` could hold: its blocks and every free one."""
+        return (len(seq.block_table) + len(self._free)) * self.block_size
+
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= len(self._free)
 

@@ -1,10 +1,18 @@
 """Continuous batching: decide which tokens of which sequences run in the next step.
 
-Every step gives each running sequence, oldest first, the tokens it still needs
-(one for a decoding sequence; a chunk of its prompt for a prefilling one) within a
-token budget, then admits waiting sequences while the budget, `max_num_seqs` and
-the free blocks allow. When blocks run out, the newest running sequence is
-preempted: its blocks are freed and it waits to be recomputed from scratch.
+Every step first gives each decoding sequence (one that needs a single token: its
+next one), oldest first, that token, so that a running stream is never held up by
+someone else's prompt. Prompts (prefills, and recomputations after a preemption)
+share what is left of the token budget: running ones oldest first, then waiting
+ones admitted in arrival order while `max_num_seqs` and the free blocks allow.
+While several prompts want the budget, none takes more than half of it at first, and
+what is left then goes to the same prompts in the same order; so a short request
+arriving behind a long prompt starts in the next step, at little cost to the long one.
+
+When a decode needs a block and none is free, the newest running sequence not yet
+scheduled in this step is preempted: its blocks are freed and it waits to be
+recomputed from scratch. A prompt takes what the free blocks hold, and preempts only
+when not one more token fits.
 """
 
 from __future__ import annotations
@@ -46,45 +54,68 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
-        batch: list[ScheduledSeq] = []
+        chunks: dict[Sequence, int] = {}  # tokens of each scheduled sequence, in batch order
         preemptions_before = self.num_preemptions
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.all_sampled:  # its last token is still on its way back: nothing left to compute
-                i += 1
-                continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            end = seq.num_computed_tokens + n
-            if self.block_manager.blocks_needed(seq, end):  # (most steps of a decode need none)
-                if not self._make_room(seq, end):
-                    break  # seq itself was the newest, and is now waiting
-                self.block_manager.allocate(seq, end)
-            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-            budget -= n
-            i += 1
+        for seq in list(self.running):  # decodes
+            if budget == 0:
+                break
+            if seq.status is SequenceStatus.RUNNING and not seq.all_sampled and seq.num_uncomputed_tokens == 1:
+                if self._make_room(seq, seq.num_computed_tokens + 1, chunks):
+                    chunks[seq] = 1
+                    budget -= 1
+
+        prompts = [s for s in self.running if s not in chunks and not s.all_sampled and s.num_uncomputed_tokens > 1]
+        share = max(1, budget // 2) if len(prompts) + len(self.waiting) > 1 else budget
+        for seq in prompts:
+            if budget and seq.status is SequenceStatus.RUNNING:  # (not preempted by a prompt before it)
+                n = self._fit(seq, min(share, budget), chunks)
+                if n:
+                    chunks[seq] = n
+                    budget -= n
         # After a preemption the pool is tight: admitting more would only thrash.
         admit = self.num_preemptions == preemptions_before
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, share, budget)
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            chunks[seq] = n
             budget -= n
-        return batch
+        for seq in [s for s, n in chunks.items() if n > 1 or s.num_uncomputed_tokens > 1]:  # what is left, to prompts
+            if budget == 0:
+                break
+            extra = self._fit(seq, budget, chunks, preempt=False)
+            chunks[seq] += extra
+            budget -= extra
+        return [ScheduledSeq(seq, seq.num_computed_tokens, n) for seq, n in chunks.items()]
 
-    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Preempt the newest sequences until `seq` can hold `num_tokens`; False if `seq` went."""
+    def _fit(self, seq: Sequence, most: int, chunks: dict[Sequence, int], preempt: bool = True) -> int:
+        """Allocate up to `most` more prompt tokens of `seq` (after those it has in
+        `chunks`) within the free blocks; if not one fits, preempt newer unscheduled
+        sequences for one (unless told not to). Returns how many."""
+        start = seq.num_computed_tokens + chunks.get(seq, 0)
+        wanted = min(most, seq.num_tokens - start)
+        if wanted <= 0:
+            return 0
+        if self.block_manager.room(seq) <= start and not (preempt and self._make_room(seq, start + 1, chunks)):
+            return 0
+        n = min(wanted, self.block_manager.room(seq) - start)
+        self.block_manager.allocate(seq, start + n)
+        return n
+
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: dict[Sequence, int]) -> bool:
+        """Let `seq` hold `num_tokens`, preempting the newest running sequences not in
+        `scheduled` as needed; False if `seq` itself had to go (it is waiting now)."""
         while not self.block_manager.can_allocate(seq, num_tokens):
-            victim = self.running[-1]
+            victim = next(s for s in reversed(self.running) if s not in scheduled)  # (seq is a candidate: never empty)
             self.preempt(victim)
             if victim is seq:
                 return False
+        self.block_manager.allocate(seq, num_tokens)
         return True
 
     def preempt(self, seq: Sequence) -> None:

@@ -64,7 +64,9 @@ class Tokenizer:
 
     # -- encoding -------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # (the batch call releases the GIL while it works, where encode() holds it for
+        # seconds on a long text; "fast" skips the offsets, which nothing here reads)
+        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self._template is None:

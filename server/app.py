@@ -106,7 +106,7 @@ def build_engine(cfg: ServerConfig) -> LLMEngine:
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks or _kv_cache_blocks(cfg, backend),
         max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens or DEFAULT_TOKEN_BUDGETS[backend.name],
+        max_num_batched_tokens=cfg.max_num_batched_tokens or max(DEFAULT_TOKEN_BUDGETS[backend.name], cfg.max_num_seqs),
         max_model_len=cfg.max_model_len,
     ))
     return engine

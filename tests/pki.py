@@ -31,7 +31,8 @@ def _certificate(name: str, key, issuer_name: str, issuer_key, ca: bool, san: bo
 
 
 def make_pki(out: Path) -> dict[str, Path]:
-    """PEM files in `out`: ca, server_cert/server_key, client_cert/client_key, other_ca."""
+    """PEM files in `out`: ca, server_cert/server_key, client_cert/client_key and
+    other_client_cert/other_client_key (both signed by ca), other_ca."""
     files = {}
 
     def write(name: str, data: bytes) -> None:
@@ -41,7 +42,7 @@ def make_pki(out: Path) -> dict[str, Path]:
     ca_key, other_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     write("ca", _certificate("test CA", ca_key, "test CA", ca_key, ca=True).public_bytes(serialization.Encoding.PEM))
     write("other_ca", _certificate("other CA", other_key, "other CA", other_key, ca=True).public_bytes(serialization.Encoding.PEM))
-    for role in ("server", "client"):
+    for role in ("server", "client", "other_client"):
         key = ec.generate_private_key(ec.SECP256R1())
         cert = _certificate(f"test {role}", key, "test CA", ca_key, ca=False, san=role == "server")
         write(f"{role}_cert", cert.public_bytes(serialization.Encoding.PEM))

@@ -74,7 +74,8 @@ def test_convert_gguf_writes_an_equivalent_hf_directory(tmp_path, smollm2):
     out = tmp_path / "smollm2-hf"
     done = subprocess.run([sys.executable, "-m", "server", "convert-gguf", str(embedded_model_path()), str(out)],
                           cwd=ROOT, check=True, capture_output=True, text=True, timeout=300)
-    assert re.search(r"converting: 100%\|.*\| (\d+)/\1", done.stderr), "no progress bar"
+    # (stderr is no terminal here: the progress is one record at the end, not a bar)
+    assert re.search(r"INFO llamastream.server: converting: (\d+) of \1 done", done.stderr), done.stderr
     converted = load_model(out)
     assert converted.config == smollm2.config
     assert all(np.array_equal(converted.weights[k], v) for k, v in smollm2.weights.items())

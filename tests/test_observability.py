@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -96,3 +97,37 @@ def test_the_http_port_serves_metrics_liveness_and_readiness():
     assert serving[2][0] == 200 and "llamastream:num_requests_running" in serving[2][1]
     assert serving[3:] == (404, 404)
     assert draining == (200, 503)
+
+
+def test_cancelled_and_expired_streams_are_logged_and_counted_as_such(caplog):
+    server = local_server(start=False, metrics_port=0, engine_process=True)
+    with caplog.at_level(logging.INFO, logger="llamastream.requests"):
+        server.start()
+        try:
+            client = stub(f"127.0.0.1:{server.port}")
+            long = pb.GenerateRequest(request_id="cancelled", prompt="x", sampling=pb.SamplingParams(temperature=0.0),
+                                      stop=pb.StopCriteria(max_tokens=900, ignore_eos=True))
+            call = client.Generate(long, timeout=60)
+            received = 0
+            for message in call:
+                received += len(message.delta.token_ids)
+                if received >= 5:
+                    call.cancel()
+                    break
+            long.request_id = "expired"
+            with pytest.raises(grpc.RpcError) as e:
+                collect(client.Generate(long, timeout=0.5))
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            deadline = time.monotonic() + 10
+            while len([r for r in caplog.records if r.name == "llamastream.requests"]) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            m = scrape(server.metrics_port)
+        finally:
+            server.drain()
+    records = {r.fields["request_id"]: r.fields for r in caplog.records if r.name == "llamastream.requests"}
+    assert records["cancelled"]["status"] == "CANCELLED" and records["expired"]["status"] == "DEADLINE_EXCEEDED"
+    assert records["cancelled"]["completion_tokens"] >= received  # (more may have been sent, not yet read)
+    assert m[("llamastream:requests_total", (("status", "CANCELLED"),))] == 1
+    assert m[("llamastream:requests_total", (("status", "DEADLINE_EXCEEDED"),))] == 1
+    assert m[("llamastream:generation_tokens_total", ())] == sum(r["completion_tokens"] for r in records.values()) > 5
+    assert m[("llamastream:prompt_tokens_total", ())] == sum(r["prompt_tokens"] for r in records.values()) > 0

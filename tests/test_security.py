@@ -27,11 +27,13 @@ def servers():
         s.drain()
 
 
-def secure_stub(server: Server, pki, ca: str = "ca", client_cert: bool = False) -> pb_grpc.GenerationStub:
+def secure_stub(server: Server, pki, ca: str = "ca", client_cert: bool | str = False) -> pb_grpc.GenerationStub:
+    """A stub over TLS; with `client_cert` (True: "client", or the name of another), presenting that certificate."""
+    client = "client" if client_cert is True else client_cert
     creds = grpc.ssl_channel_credentials(
         root_certificates=pki[ca].read_bytes(),
-        private_key=pki["client_key"].read_bytes() if client_cert else None,
-        certificate_chain=pki["client_cert"].read_bytes() if client_cert else None,
+        private_key=pki[f"{client}_key"].read_bytes() if client else None,
+        certificate_chain=pki[f"{client}_cert"].read_bytes() if client else None,
     )
     channel = grpc.secure_channel(f"127.0.0.1:{server.port}", creds, options=[("grpc.ssl_target_name_override", "localhost")])
     return pb_grpc.GenerationStub(channel)
@@ -62,6 +64,18 @@ def test_mutual_tls(servers, pki):
     msgs, _ = collect(secure_stub(server, pki, client_cert=True).Generate(REQUEST, timeout=10))
     assert msgs[-1].HasField("finished")
     assert code_of(secure_stub(server, pki).Generate(REQUEST, timeout=5)) == grpc.StatusCode.UNAVAILABLE  # no client cert
+
+
+def test_under_mutual_tls_abort_reaches_only_the_callers_own_requests(servers, pki):
+    server = servers(tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]), tls_client_ca=str(pki["ca"]))
+    alice, mallory = secure_stub(server, pki, client_cert=True), secure_stub(server, pki, client_cert="other_client")
+    long = pb.GenerateRequest(request_id="alices", prompt="hi", sampling=pb.SamplingParams(temperature=0.0),
+                              stop=pb.StopCriteria(max_tokens=1000, ignore_eos=True))
+    call = alice.Generate(long, timeout=60)
+    next(call)
+    assert mallory.Abort(pb.AbortRequest(request_ids=["alices"]), timeout=5).aborted == 0
+    assert alice.Abort(pb.AbortRequest(request_ids=["alices"]), timeout=5).aborted == 1
+    assert list(call)[-1].finished.reason == pb.FINISH_REASON_ABORT
 
 
 def test_bearer_token(servers, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llamastream.v1 import generation_pb2 as pb
 from tests.conftest import TINY_MODEL
-from tests.serving import ServerProcess, chat, check_stream_shape, collect, stub
+from tests.serving import ROOT, ServerProcess, chat, check_stream_shape, collect, stub
 
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent))
 GREEDY = pb.SamplingParams(temperature=0.0)
@@ -37,6 +38,13 @@ def test_chat_answers_paris(server):
     assert finished.reason == pb.FINISH_REASON_STOP and finished.usage.completion_tokens == sum(
         len(m.delta.token_ids) for m in msgs if m.HasField("delta"))
     assert msgs[0].started.prompt_tokens == finished.usage.prompt_tokens > 0
+
+
+@pytest.mark.parametrize("example", [0, 1], ids=["client library", "raw stubs"])
+def test_the_readmes_python_examples_answer_paris(server, example, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    exec(blocks[example].replace("localhost:50051", server.address), {})
+    assert "Paris" in capsys.readouterr().out
 
 
 def test_twenty_concurrent_streams_match_alone(server):
@@ -116,3 +124,38 @@ def test_the_engine_in_the_servers_own_process_streams_the_same():
             check_stream_shape(msgs)
             texts.append((text, msgs[-1].finished.usage.completion_tokens))
     assert texts[0] == texts[1] and texts[0][0] and texts[0][1] == 40
+
+
+def test_streams_the_grace_cuts_end_with_unavailable_and_are_logged():
+    with ServerProcess("--model", str(TINY_MODEL), "--grace", "1") as s:
+        client = stub(s.address)
+        request = pb.GenerateRequest(prompt="cut", sampling=GREEDY, stop=pb.StopCriteria(max_tokens=4000, ignore_eos=True))
+        streams = [client.Generate(request, timeout=120) for _ in range(3)]
+        assert all(next(st).HasField("started") for st in streams)
+        outcomes = []
+
+        def read(call) -> None:
+            received = 0
+            try:
+                for m in call:
+                    received += len(m.delta.token_ids)
+            except grpc.RpcError as e:
+                outcomes.append((e.code(), e.details(), received))
+
+        threads = [threading.Thread(target=read, args=(st,)) for st in streams]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        s.terminate()
+        for t in threads:
+            t.join(60)
+        assert s.proc.wait(60) == 0
+        log = s.output()
+    assert len(outcomes) == 3
+    for code, details, received in outcomes:
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert details == (f"the server is shutting down: the stream was cut after {received} tokens; "
+                           "retry on another replica")
+        assert 0 < received < 4000
+    assert "the 1 s grace ran out with 3 streams in flight: they end with UNAVAILABLE" in log
+    assert log.count("status=UNAVAILABLE finish_reason=-") == 3
