@@ -128,3 +128,13 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("llamastream ")
+
+
+def test_the_start_up_line_gives_the_effective_settings(caplog):
+    with caplog.at_level(logging.INFO, logger="llamastream"):
+        server = local_server(max_num_seqs=8, max_model_len=100_000)
+        server.drain()
+    messages = [r.getMessage() for r in caplog.records]
+    assert (f"serving on 127.0.0.1:{server.port}: model tiny-llama on numpy, max-num-seqs 8, max-num-batched-tokens 128, "
+            "64 KV blocks of 16 tokens, context 1024, plaintext, no bearer token") in messages
+    assert "--max-model-len 100000 is more than what the KV cache holds: the context is 1024 tokens" in messages
