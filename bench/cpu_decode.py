@@ -59,7 +59,7 @@ def _timed(fn) -> float:
 def ours(model, prompts: list[list[int]], new_tokens: int, seeded: bool | None = None) -> float:
     """Greedy decoding, or with `seeded` set, sampling (temperature 1, top-p 0.9) with
     or without a seed per request."""
-    engine = LLMEngine(model, NumpyBackend(model.config, model.weights), EngineConfig(num_kv_blocks=1024, max_num_seqs=64))
+    engine = LLMEngine(model, NumpyBackend(model.config, model.model_weights()), EngineConfig(num_kv_blocks=1024, max_num_seqs=64))
     params = [SamplingParams(temperature=0.0 if seeded is None else 1.0, top_p=1.0 if seeded is None else 0.9,
                              seed=i if seeded else None, max_tokens=new_tokens, ignore_eos=True)
               for i in range(len(prompts))]
@@ -101,8 +101,8 @@ def main() -> None:
     model = load_model()
     tok = model.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": q}])[0] for q in QUESTIONS]
-    embed_bytes = model.weights["model.embed_tokens.weight"].nbytes
-    weight_bytes = sum(w.nbytes for w in model.weights.values())  # tied head: the embedding is read again
+    embed_bytes = model.weights["model.embed_tokens.weight"].float32().nbytes
+    weight_bytes = sum(w.float32().nbytes for w in model.weights.values())  # tied head: the embedding is read again
     step_bytes = weight_bytes + (embed_bytes if model.config.tie_word_embeddings else 0)
     flops_per_token = 2 * step_bytes / 4  # a multiply-add per weight; attention is small at these lengths
     bandwidth, peak = memory_bandwidth(), matmul_flops()

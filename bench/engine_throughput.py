@@ -51,7 +51,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     make_model(Path(tmp.name), LLAMA_32_1B, seed=0)
     model = load_model(tmp.name)
-    backend = CudaBackend(model.config, model.weights, batch_invariant=args.batch_invariant)
+    backend = CudaBackend(model.config, model.model_weights(), batch_invariant=args.batch_invariant)
     blocks = int((prompt_lens + output_lens).sum() // 16 + 2 * args.requests)
     building = time.perf_counter()
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=blocks, max_num_seqs=args.requests,

@@ -41,8 +41,8 @@ def main() -> None:
         hf32 = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
         eager = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
         model = load_model(path)
-        cuda = LLMEngine(model, CudaBackend(model.config, model.weights), EngineConfig(num_kv_blocks=1024))
-        numpy = LLMEngine(model, NumpyBackend(model.config, model.weights), EngineConfig(num_kv_blocks=256))
+        cuda = LLMEngine(model, CudaBackend(model.config, model.model_weights()), EngineConfig(num_kv_blocks=1024))
+        numpy = LLMEngine(model, NumpyBackend(model.config, model.model_weights()), EngineConfig(num_kv_blocks=256))
         ids_all = [128000] + cuda.tokenizer.encode(TEXT * 60, add_special_tokens=False)
         print(f"{'tokens':>6} | {'cuda vs fp32':>12} | {'hf bf16 sdpa vs fp32':>20} | {'hf bf16 eager vs fp32':>21} | "
               f"{'numpy vs fp32':>13} | {'cuda vs hf bf16':>15}")

@@ -81,7 +81,7 @@ def main() -> None:
         prompt = list(range(1000, 1128))
         tpot, ttft, gpu_step = {}, {}, {}
         for graphs, invariant in ((False, False), (True, True), (True, False)):
-            backend = CudaBackend(model.config, model.weights, cuda_graphs=graphs, batch_invariant=invariant)
+            backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=graphs, batch_invariant=invariant)
             engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
             ours(engine, prompt, 16)  # warm-up: kernels loaded, pool filled, graph captured
             ttft[graphs, invariant] = statistics.median(ours(engine, list(range(2000, 3024)), 1)[0] for _ in range(15))

@@ -64,7 +64,7 @@ def main() -> None:
             make_model(Path(tmp), LLAMA_32_1B, seed=0)
             path = tmp
         model = load_model(path)
-    backend = create_backend(args.device, model.config, model.weights)
+    backend = create_backend(args.device, model.config, model.model_weights())
     rng = np.random.default_rng(0)
     (lo_in, hi_in), (lo_out, hi_out) = (map(int, r.split(":")) for r in (args.input_len, args.output_len))
     prompts = [rng.integers(0, model.config.vocab_size, rng.integers(lo_in, hi_in + 1)).tolist() for _ in range(args.requests)]

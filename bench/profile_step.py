@@ -102,7 +102,7 @@ def report(title: str, times: dict[str, float], total: float) -> None:
 
 def graph_step_times(model) -> None:
     """Batch 1 with CUDA graphs: where a step's wall time goes, host against GPU."""
-    backend = CudaBackend(model.config, model.weights, cuda_graphs=True)
+    backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=True)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     engine.add(engine.make_sequence("b1", list(range(1000, 1128)), params))
@@ -127,7 +127,7 @@ def graph_kernel_table(model) -> None:
     kernel's launches (16 or so: one a layer) are replayed alone, back to back with
     programmatic launches, in a graph of REPEATS steps' worth. The last row replays
     every launch in order: it should come near the step graph's own GPU time."""
-    backend = CudaBackend(model.config, model.weights, cuda_graphs=False)
+    backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
     engine.add(engine.make_sequence("b1", list(range(1000, 1128)), SamplingParams(temperature=0.0, max_tokens=64,
                                                                                    ignore_eos=True)))
@@ -208,7 +208,7 @@ def main() -> None:
         model = load_model(tmp)
     graph_step_times(model)
     graph_kernel_table(model)
-    backend = CudaBackend(model.config, model.weights, cuda_graphs=False)
+    backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False)
     gemm_table(backend)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192))
     timer = Timer(backend)

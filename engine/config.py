@@ -33,6 +33,7 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
+    architecture: str = "llama"  # a name in engine.models.ARCHITECTURES
 
     @property
     def q_size(self) -> int:
@@ -43,13 +44,9 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        if cfg.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
-            raise ValueError(
-                f"unsupported model_type {cfg.get('model_type')!r}: llamastream serves "
-                "Llama-architecture models (model_type 'llama')"
-            )
+    def from_hf_dict(cls, cfg: dict[str, Any], architecture: str) -> "ModelConfig":
+        """The fields every architecture here shares, from config.json (engine.models
+        finds the architecture)."""
         heads = cfg["num_attention_heads"]
         # transformers 5 writes `rope_parameters` (theta inside); older checkpoints
         # such as Llama 3.2's have `rope_scaling` beside `rope_theta`.
@@ -80,12 +77,12 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            architecture=architecture,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
+        """config.json's fields, but for `architectures` and `model_type` (engine.models has those)."""
         cfg: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,

