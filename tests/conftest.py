@@ -23,11 +23,17 @@ if os.environ.get("CI"):
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY_MODEL = FIXTURES / "tiny-llama"
+TINY_QWEN3 = FIXTURES / "tiny-qwen3"
 
 
 @pytest.fixture(scope="session")
 def tiny_model() -> LoadedModel:
     return load_model(TINY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> LoadedModel:
+    return load_model(TINY_QWEN3)
 
 
 @pytest.fixture(scope="session")

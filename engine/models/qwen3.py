@@ -33,4 +33,6 @@ class Qwen3(Llama):
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
         if cfg.get("attention_bias"):
             raise ValueError("this Qwen3 checkpoint has attention biases, which llamastream does not implement")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("this Qwen3 checkpoint uses sliding-window attention, which llamastream does not implement")
         return ModelConfig.from_hf_dict(cfg, self.name)

