@@ -58,7 +58,7 @@ BENCH_OUT ?= bench/out
 gpu-bench:
 	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO)
 	mkdir -p $(BENCH_OUT)
-	$(PYTHON) -c "import pathlib; from tests.gpu.test_model import LLAMA_32_1B, make_model; \
+	$(PYTHON) -c "import pathlib; from devtools.checkpoints import LLAMA_32_1B, make_model; \
 	  make_model(pathlib.Path('$(BENCH_OUT)/llama-1b-random'), LLAMA_32_1B, seed=0)"
 	$(PYTHON) bench/latency.py | tee $(BENCH_OUT)/latency.txt
 	$(PYTHON) bench/engine_throughput.py | tee $(BENCH_OUT)/engine_throughput.txt

@@ -2,17 +2,19 @@
 prompt and output lengths uniform in 100..1024 random tokens, eos ignored, all
 submitted at once; Llama 3.2 1B shape, bfloat16, random weights.
 
-    python bench/engine_throughput.py [--requests 256] [--batch-invariant] [--no-transformers]   # NVIDIA GPU, torch
+    python bench/engine_throughput.py [--model llama-3.2-1b|qwen3-0.6b] [--requests 256] [--batch-invariant]
+                                      [--no-transformers]   # NVIDIA GPU, torch
 
 Beside it, in the same run, transformers' `generate` on the same requests as one
 static batch: prompts left-padded, every row decoding to the longest output, and
 only each request's own output tokens counted (what a server without continuous
 batching delivers).
 
-The floor: a decode step at batch B reads the weights once (2.47 GB) and each
-sequence's K/V (32 KB a token at this shape) and does 2 x 1.24 G FLOPs per sequence;
-at the workload's mean context and the H200's measured 4.27 TB/s and 790 TFLOP/s,
-the larger of the two times bounds the output tokens per second.
+The floor: a decode step at batch B reads the weights once (2.47 GB at the Llama 3.2
+1B shape, the tied head read again) and each sequence's K/V (32 KB a token there) and
+does 2 FLOPs a weight per sequence; at the workload's mean context and the H200's
+measured 4.27 TB/s and 790 TFLOP/s, the larger of the two times bounds the output
+tokens per second.
 """
 
 from __future__ import annotations
@@ -32,14 +34,23 @@ from engine.backends.cuda_backend import CudaBackend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tests.gpu.test_model import LLAMA_32_1B, make_model  # noqa: E402
+from devtools.checkpoints import SHAPES, make_model  # noqa: E402
 
-WEIGHT_BYTES, KV_BYTES_PER_TOKEN, FLOPS_PER_TOKEN = 2.47e9, 32768, 2 * 1.24e9
 BANDWIDTH, PEAK = 4.27e12, 790e12
+
+
+def decode_costs(config) -> tuple[float, float, float]:
+    """(weight bytes a decode step reads, K/V bytes a token, FLOPs a token) in bfloat16."""
+    c = config
+    layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    linear = c.num_layers * layer + c.vocab_size * c.hidden_size  # (the head; tied, it is the embedding read again)
+    weight_bytes = 2 * (linear + c.vocab_size * c.hidden_size * (not c.tie_word_embeddings))
+    return weight_bytes, 2 * 2 * c.num_layers * c.kv_size, 2 * linear
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(SHAPES), default="llama-3.2-1b", help="the shape of the random model")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--batch-invariant", action="store_true", help="GEMMs in fixed row tiles, as the server's flag")
@@ -49,7 +60,7 @@ def main() -> None:
     prompt_lens = rng.integers(100, 1025, args.requests)
     output_lens = rng.integers(100, 1025, args.requests)
     tmp = tempfile.TemporaryDirectory()
-    make_model(Path(tmp.name), LLAMA_32_1B, seed=0)
+    make_model(Path(tmp.name), SHAPES[args.model], seed=0)
     model = load_model(tmp.name)
     backend = CudaBackend(model.config, model.model_weights(), batch_invariant=args.batch_invariant)
     blocks = int((prompt_lens + output_lens).sum() // 16 + 2 * args.requests)
@@ -79,9 +90,11 @@ def main() -> None:
     assert generated == output_lens.sum()
     # floor at batch B = all requests, mean context = mean prompt + half the mean output
     B, context = args.requests, prompt_lens.mean() + output_lens.mean() / 2
-    step_s = max((WEIGHT_BYTES + B * context * KV_BYTES_PER_TOKEN) / BANDWIDTH, B * FLOPS_PER_TOKEN / PEAK)
+    weight_bytes, kv_bytes_per_token, flops_per_token = decode_costs(model.config)
+    step_s = max((weight_bytes + B * context * kv_bytes_per_token) / BANDWIDTH, B * flops_per_token / PEAK)
     theirs = f"{transformers_static_batch(tmp.name, prompts, output_lens):.0f}" if args.transformers else "-"
     tmp.cleanup()
+    print(f"model: {args.model} shape, random weights, bfloat16")
     print(f"{'requests':>8} | {'output tokens':>13} | {'steps':>6} | {'time (s)':>8} | {'output tok/s':>12} | "
           f"{'transformers tok/s':>18} | {'floor tok/s':>11}")
     print(f"{B:>8} | {generated:>13} | {steps:>6} | {elapsed:8.1f} | {generated / elapsed:12.0f} | {theirs:>18} | "
@@ -97,7 +110,7 @@ def transformers_static_batch(model_dir: str, prompts: list[list[int]], output_l
     import torch
     import transformers
 
-    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     width = max(map(len, prompts))
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros_like(ids)

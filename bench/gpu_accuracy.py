@@ -24,7 +24,8 @@ from engine.backends.cuda_backend import CudaBackend  # noqa: E402
 from engine.backends.numpy_backend import NumpyBackend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
-from tests.gpu.test_model import LLAMA_32_1B, TEXT, make_model, our_logits, teacher_forced_argmax  # noqa: E402
+from devtools.checkpoints import LLAMA_32_1B, TEXT, make_model  # noqa: E402
+from devtools.probes import our_logits, teacher_forced_argmax  # noqa: E402
 
 
 def rel(a, b) -> float:

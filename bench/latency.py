@@ -28,7 +28,7 @@ from engine.backends.cuda_backend import CudaBackend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tests.gpu.test_model import LLAMA_32_1B, make_model  # noqa: E402
+from devtools.checkpoints import LLAMA_32_1B, make_model  # noqa: E402
 
 DECODE_FLOOR_MS = 2.47e9 / 4.27e12 * 1e3
 PREFILL_FLOOR_MS = 2 * 1.24e9 * 1024 / 790e12 * 1e3

@@ -59,7 +59,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
         if path is None:
-            from tests.gpu.test_model import LLAMA_32_1B, make_model
+            from devtools.checkpoints import LLAMA_32_1B, make_model
 
             make_model(Path(tmp), LLAMA_32_1B, seed=0)
             path = tmp

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from engine.engine_loop import EngineLoop  # noqa: E402
 from server import cli  # noqa: E402
 from server.app import Server  # noqa: E402
-from tests.serving import free_port, wait_serving  # noqa: E402
+from devtools.servers import free_port, wait_serving  # noqa: E402
 
 ENGINE, LOOP = cProfile.Profile(), cProfile.Profile()
 

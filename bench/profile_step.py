@@ -31,7 +31,7 @@ from engine.backends.cuda_graph import CudaGraph  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tests.gpu.test_model import LLAMA_32_1B, make_model  # noqa: E402
+from devtools.checkpoints import LLAMA_32_1B, make_model  # noqa: E402
 
 
 def gpu_ms(stream: cuda.Stream, run) -> float:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llamastream.v1 import generation_pb2 as pb  # noqa: E402
 from llamastream.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
-from tests.serving import ServerProcess  # noqa: E402
+from devtools.servers import ServerProcess  # noqa: E402
 
 
 @dataclass

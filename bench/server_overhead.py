@@ -34,7 +34,7 @@ from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampler import SampleOutput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tests.serving import ServerProcess  # noqa: E402
+from devtools.servers import ServerProcess  # noqa: E402
 
 MODEL = ROOT / "tests" / "fixtures" / "tiny-llama"
 CONFIG = dict(num_kv_blocks=40000, max_num_seqs=256, max_num_batched_tokens=8192)

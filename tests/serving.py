@@ -2,84 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from devtools.servers import ROOT, ServerProcess, free_port, wait_serving  # noqa: F401 (the tests' names for them)
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_serving(address: str, timeout: float = 120, server: ServerProcess | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if server is not None and server.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {server.proc.returncode}:\n{server.output()}")
-            with contextlib.suppress(grpc.RpcError):
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(0.2)
-    raise TimeoutError(f"the server at {address} did not become SERVING in {timeout} s")
-
-
-class ServerProcess:
-    """`python -m server serve` in a subprocess, as a user would start it (or `command`,
-    given the port after it). Its output goes to a file: a pipe that nobody reads
-    fills up with the request log, and the server stalls on its next line."""
-
-    def __init__(self, *args: str, command: tuple[str, ...] = ("-m", "server", "serve", "--host", "127.0.0.1", "--port")):
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, *command, str(self.port), *args],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-
-    def output(self) -> str:
-        """What the server has printed so far."""
-        self.log.seek(0)
-        return self.log.read()
-
-    def __enter__(self) -> "ServerProcess":
-        try:
-            wait_serving(self.address, server=self)
-        except Exception:
-            self.stop()
-            raise
-        return self
-
-    def terminate(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.log.close()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def local_server(start: bool = True, build=None, **config):

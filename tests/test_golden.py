@@ -13,21 +13,12 @@ import json
 import numpy as np
 import pytest
 
-from engine.scheduler import ScheduledSeq
+from devtools.probes import our_logits
 from tests.conftest import FIXTURES, greedy, make_engine, run, tokens
 
 GOLDEN = json.loads((FIXTURES / "tokenizer_golden.json").read_text())
 CASES = [("tiny_model", "tiny_llama_golden.npz", 1e-4), ("tiny_qwen3", "tiny_qwen3_golden.npz", 1e-4),
          ("smollm2", "smollm2_golden.npz", 1e-3)]
-
-
-def prefill_logits(engine, ids: list[int]) -> np.ndarray:
-    """Last-position logits of one prefill of `ids`."""
-    seq = engine.make_sequence("logits", ids, greedy(1))
-    engine.block_manager.allocate(seq, len(ids))
-    logits = engine.backend.forward([ScheduledSeq(seq, 0, len(ids))])[0]
-    engine.block_manager.free(seq)
-    return logits
 
 
 @pytest.mark.parametrize("model_name, fixture, tolerance", CASES)
@@ -38,7 +29,7 @@ def test_logits_match_transformers(model_name, fixture, tolerance, request):
     for i, name in enumerate(golden["names"]):
         ids = golden[f"ids_{i}"].tolist()
         ref = golden[f"logits_{i}"]  # every position (tiny) or the last one (SmolLM2)
-        got = np.stack([prefill_logits(engine, ids[:n]) for n in range(len(ids) - len(ref) + 1, len(ids) + 1)])
+        got = np.stack([our_logits(engine, ids[:n]) for n in range(len(ids) - len(ref) + 1, len(ids) + 1)])
         err = np.abs(got - ref).max()
         assert err < tolerance, f"{name}: max logit error {err:.2e}"
 

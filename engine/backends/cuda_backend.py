@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -30,6 +31,7 @@ from engine.backends.cuda_kernels import (ATTENTION_THREADS, GEMV_WARPS, MAX_PAR
 from engine.backends.step_metadata import (FIELDS, PARTITION, SMALL_DECODE, StepShape, build_metadata, decode_shape,
                                            field_sizes, step_shape)
 from engine.config import ModelConfig
+from engine.models import architecture_of
 from engine.sampler import SampleOutput, TokenLogprob, log_softmax
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -134,19 +136,134 @@ class DecodeGraphs:
             graph.close()
 
 
+@dataclass(frozen=True)
+class _Normed:
+    """The residual stream's RMSNorm with `weight`, not yet computed (fused into a GEMV if it can be)."""
+
+    weight: str
+
+
+@dataclass(frozen=True)
+class _Linear:
+    """x @ weight^T, not yet computed: where it lands, and what rides with it, is up to its consumer."""
+
+    x: "_Normed | gpuarray.GPUArray"
+    weight: str
+
+
+class _LayerLaunches:
+    """The LayerOps of engine/models, each queued as this backend's kernels for one step.
+
+    Values between ops are StepBuffers' arrays, or the lazy _Normed and _Linear, which
+    their consumer computes into the buffer it needs. That is where the single-token
+    fusions (`fused`, a step of one row: gemv.cu) come in: rms_norm -> linear ->
+    rope_and_cache is one gemv_rmsnorm_rope, rms_norm -> linear -> silu_and_mul one
+    gemv_rmsnorm_silu, and linear -> add_to_residual one gemv_add. Otherwise an add to
+    the residual is left pending and rides in the next add_rmsnorm."""
+
+    def __init__(self, backend: "CudaBackend", kernels: Kernels, buffers: StepBuffers, shape: StepShape, fused: bool):
+        self.be, self.k, self.b, self.shape, self.fused = backend, kernels, buffers, shape, fused
+        c = backend.config
+        self.c, self.st, self.m = c, backend.stream, buffers.meta_ptr
+        self.eps, self.tiles = np.float32(c.rms_norm_eps), shape.gemm_tiles()
+        self.pending = np.uintp(0)  # a delta not yet added into the residual
+
+    def at_layer(self, weights: dict[str, gpuarray.GPUArray], k_cache: gpuarray.GPUArray,
+                 v_cache: gpuarray.GPUArray) -> None:
+        self.w, self.kc, self.vc = weights, k_cache, v_cache
+
+    # -- the ops ----------------------------------------------------------------------
+    def rms_norm(self, weight: str):
+        if self.fused:
+            return _Normed(weight)
+        return self._add_rmsnorm(weight)
+
+    def linear(self, x, weight: str) -> _Linear:
+        return _Linear(x, weight)
+
+    def head_rms_norm(self, qkv, q_weight: str, k_weight: str) -> gpuarray.GPUArray:
+        c, b = self.c, self._into(qkv, self.b.qkv)
+        self.k.head_rmsnorm.prepared_async_call((self.shape.tokens, c.num_heads + c.num_kv_heads), (32, 1, 1), self.st,
+                                                _ptr(b), _ptr(self.w[q_weight]), _ptr(self.w[k_weight]),
+                                                np.int32(c.num_heads), np.int32(c.num_kv_heads), self.eps)
+        return b
+
+    def rope_and_cache(self, qkv) -> gpuarray.GPUArray:
+        c, m, b = self.c, self.m, self.b
+        if self._fusible(qkv):
+            self.be._gemv_call(self.k.gemv_rmsnorm_rope, (c.q_size + 2 * c.kv_size) // 2, c.hidden_size * 2, _ptr(b.qkv),
+                               _ptr(b.residual), _ptr(self.w[qkv.x.weight]), self.eps, _ptr(self.w[qkv.weight]),
+                               _ptr(self.kc), _ptr(self.vc), m["positions"], m["slots"], _ptr(self.be.cos_sin),
+                               np.int32(c.num_heads), np.int32(c.num_kv_heads), np.int32(c.head_dim),
+                               np.int32(c.hidden_size))
+            return b.qkv
+        self._into(qkv, b.qkv)
+        threads = rope_and_cache_threads(c.num_heads, c.num_kv_heads, c.head_dim)
+        self.k.rope_and_cache.prepared_async_call((self.shape.tokens, 1), (threads, 1, 1), self.st, _ptr(b.qkv),
+                                                  _ptr(self.kc), _ptr(self.vc), m["positions"], m["slots"],
+                                                  _ptr(self.be.cos_sin), np.int32(c.num_heads),
+                                                  np.int32(c.num_kv_heads), np.int32(c.head_dim))
+        return b.qkv
+
+    def attention(self, qkv: gpuarray.GPUArray) -> gpuarray.GPUArray:
+        self.be._attention(self.k, self.b, self.shape, self.kc, self.vc)
+        return self.b.attn
+
+    def silu_and_mul(self, gate_up) -> gpuarray.GPUArray:
+        c, b = self.c, self.b
+        if self._fusible(gate_up):
+            self.be._gemv_call(self.k.gemv_rmsnorm_silu, c.intermediate_size, c.hidden_size * 2, _ptr(b.act),
+                               _ptr(b.residual), _ptr(self.w[gate_up.x.weight]), self.eps, _ptr(self.w[gate_up.weight]),
+                               np.int32(c.hidden_size))
+            return b.act
+        self._into(gate_up, b.gate_up)
+        inter = c.intermediate_size
+        self.k.silu_and_mul.prepared_async_call((-(-inter // (8 * 256)), self.shape.tokens), (256, 1, 1), self.st,
+                                                _ptr(b.act), _ptr(b.gate_up), np.int32(inter))
+        return b.act
+
+    def add_to_residual(self, x) -> None:
+        if self.fused and isinstance(x, _Linear) and not isinstance(x.x, _Normed):
+            self.be._gemv_call(self.k.gemv_add, self.c.hidden_size, 0, _ptr(self.b.residual), _ptr(x.x),
+                               _ptr(self.w[x.weight]), np.int32(x.x.shape[-1]))
+        else:
+            self.pending = _ptr(self._into(x, self.b.delta))
+
+    # -- computing lazy values --------------------------------------------------------
+    def _fusible(self, value) -> bool:
+        """Whether `value` is a GEMV of a norm that the consuming GEMV kernel can compute itself."""
+        return self.fused and isinstance(value, _Linear) and isinstance(value.x, _Normed)
+
+    def _add_rmsnorm(self, weight: str) -> gpuarray.GPUArray:
+        """h = RMSNorm(residual + pending), the pending delta added into the residual."""
+        b = self.b
+        self.k.add_rmsnorm.prepared_async_call((self.shape.tokens, 1), (256, 1, 1), self.st, _ptr(b.residual),
+                                               self.pending, _ptr(self.w[weight]), _ptr(b.h), self.m["all_rows"],
+                                               np.int32(self.c.hidden_size), self.eps)
+        self.pending = np.uintp(0)
+        return b.h
+
+    def _into(self, value, out: gpuarray.GPUArray) -> gpuarray.GPUArray:
+        """`value` computed, into `out` where it is a linear (an array is already computed)."""
+        if not isinstance(value, _Linear):
+            return value
+        x = self._add_rmsnorm(value.x.weight) if isinstance(value.x, _Normed) else value.x
+        w = self.w[value.weight]
+        self.be._linear(self.k, out, x, w, self.tiles, w.shape[1], w.shape[0])
+        return out
+
+
 class CudaBackend:
     name = "cuda"
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: int = 0, cuda_graphs: bool = True,
                  graph_max_batch: int = 256, graph_max_context: int = 4096, batch_invariant: bool = False):
-        if config.architecture != "llama":
-            raise ValueError(f"the CUDA backend runs Llama-architecture models; {config.architecture} runs on the numpy "
-                             "backend (--device cpu)")
         if config.head_dim not in (64, 128) or config.num_heads // config.num_kv_heads > 8:
             raise ValueError("the CUDA attention kernels need head_dim 64 or 128 and at most 8 heads per KV head")
         if config.hidden_size % 8 or config.intermediate_size % 8:
             raise ValueError("the CUDA kernels need hidden and intermediate sizes that are multiples of 8")
         self.config = config
+        self.architecture = architecture_of(config)
         self.batch_invariant = batch_invariant  # GEMMs in fixed tiles: see step_metadata
         cuda.init()
         self.device = cuda.Device(device)
@@ -258,72 +375,26 @@ class CudaBackend:
         return build_metadata(batch, shape, self.block_size, self.dummy_block, self.query_rows, self._previous_samples)
 
     def _launch(self, b: StepBuffers, shape: StepShape, k: Kernels) -> None:
-        """Queue the whole forward pass for `shape` on the stream (no allocation, no sync)."""
+        """Queue the whole forward pass for `shape` on the stream (no allocation, no sync):
+        each layer is the architecture's (engine/models), queued by _LayerLaunches."""
         c, st, m = self.config, self.stream, b.meta_ptr
         T, S, H = shape.tokens, shape.samples, c.hidden_size
         k.embedding_gather.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(self.embed), m["ids"],
                                                _ptr(self.sampled), np.int32(H))
-        fused = self._all_gemv(shape)
-        pending = np.uintp(0)  # the last layer's output, where not yet added into the residual
+        ops = _LayerLaunches(self, k, b, shape, fused=self._all_gemv(shape))
         for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
-            if fused:
-                self._fused_layer(k, b, shape, layer, kc, vc)
-            else:
-                pending = self._layer(k, b, shape, layer, kc, vc, pending)
+            ops.at_layer(layer, kc, vc)
+            self.architecture.layer(ops)
         if S:
-            k.add_rmsnorm.prepared_async_call((S, 1), (256, 1, 1), st, _ptr(b.residual), pending, _ptr(self.final_norm),
+            k.add_rmsnorm.prepared_async_call((S, 1), (256, 1, 1), st, _ptr(b.residual), ops.pending, _ptr(self.final_norm),
                                               _ptr(b.final), m["sample_rows"], np.int32(H), np.float32(c.rms_norm_eps))
             self._linear(k, b.logits, b.final, self.lm_head, shape.head_tiles(), H, c.vocab_size)
 
-    def _layer(self, k: Kernels, b: StepBuffers, shape: StepShape, layer: dict, kc: gpuarray.GPUArray,
-               vc: gpuarray.GPUArray, pending: np.uintp) -> np.uintp:
-        """One decoder layer; the residual add of its MLP output is left to the next
-        add_rmsnorm (returned: the pending delta)."""
-        c, st, m = self.config, self.stream, b.meta_ptr
-        T, H, I = shape.tokens, c.hidden_size, c.intermediate_size
-        tiles, eps = shape.gemm_tiles(), np.float32(c.rms_norm_eps)
-        k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), pending,
-                                          _ptr(layer["input_layernorm.weight"]), _ptr(b.h), m["all_rows"], np.int32(H), eps)
-        self._linear(k, b.qkv, b.h, layer["qkv"], tiles, H, c.q_size + 2 * c.kv_size)
-        threads = rope_and_cache_threads(c.num_heads, c.num_kv_heads, c.head_dim)
-        k.rope_and_cache.prepared_async_call((T, 1), (threads, 1, 1), st, _ptr(b.qkv), _ptr(kc), _ptr(vc), m["positions"],
-                                             m["slots"], _ptr(self.cos_sin), np.int32(c.num_heads), np.int32(c.num_kv_heads),
-                                             np.int32(c.head_dim))
-        self._attention(k, b, shape, kc, vc)
-        self._linear(k, b.delta, b.attn, layer["self_attn.o_proj.weight"], tiles, c.q_size, H)
-        k.add_rmsnorm.prepared_async_call((T, 1), (256, 1, 1), st, _ptr(b.residual), _ptr(b.delta),
-                                          _ptr(layer["post_attention_layernorm.weight"]), _ptr(b.h), m["all_rows"],
-                                          np.int32(H), eps)
-        self._linear(k, b.gate_up, b.h, layer["gate_up"], tiles, H, 2 * I)
-        k.silu_and_mul.prepared_async_call((-(-I // (8 * 256)), T), (256, 1, 1), st, _ptr(b.act), _ptr(b.gate_up), np.int32(I))
-        self._linear(k, b.delta, b.act, layer["mlp.down_proj.weight"], tiles, I, H)
-        return _ptr(b.delta)
-
     def _all_gemv(self, shape: StepShape) -> bool:
         """Whether every GEMM of the step is our GEMV (a step of one row), whose
-        normalised input fits its shared memory: then the layer's norms, RoPE, SiLU and
-        residual adds ride in the GEMVs (gemv.cu)."""
+        normalised input fits its shared memory: then norms, RoPE, SiLU and residual adds
+        ride in the GEMVs where the layer's ops allow (gemv.cu, _LayerLaunches)."""
         return not shape.invariant and shape.rows == 1 and 2 * self.config.hidden_size <= STAGED_INPUT_BYTES
-
-    def _fused_layer(self, k: Kernels, b: StepBuffers, shape: StepShape, layer: dict, kc: gpuarray.GPUArray,
-                     vc: gpuarray.GPUArray) -> None:
-        """One decoder layer in five kernels, attention and four GEMVs (see _all_gemv): the
-        norms are computed by the GEMVs that read them; RoPE and the cache write, and
-        SiLU-and-multiply, by the GEMVs that produce their inputs; each residual add by
-        the GEMV that produces it, so none is pending."""
-        c, m = self.config, b.meta_ptr
-        H, I, eps = c.hidden_size, c.intermediate_size, np.float32(c.rms_norm_eps)
-        residual = _ptr(b.residual)
-        self._gemv_call(k.gemv_rmsnorm_rope, (c.q_size + 2 * c.kv_size) // 2, H * 2, _ptr(b.qkv), residual,
-                        _ptr(layer["input_layernorm.weight"]), eps, _ptr(layer["qkv"]), _ptr(kc), _ptr(vc),
-                        m["positions"], m["slots"],
-                        _ptr(self.cos_sin), np.int32(c.num_heads), np.int32(c.num_kv_heads), np.int32(c.head_dim),
-                        np.int32(H))
-        self._attention(k, b, shape, kc, vc)
-        self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.attn), _ptr(layer["self_attn.o_proj.weight"]), np.int32(c.q_size))
-        self._gemv_call(k.gemv_rmsnorm_silu, I, H * 2, _ptr(b.act), residual,
-                        _ptr(layer["post_attention_layernorm.weight"]), eps, _ptr(layer["gate_up"]), np.int32(H))
-        self._gemv_call(k.gemv_add, H, 0, residual, _ptr(b.act), _ptr(layer["mlp.down_proj.weight"]), np.int32(I))
 
     def _gemv_call(self, fn, d_out: int, staged_bytes: int, *args) -> None:
         """Launch a gemv.cu kernel over d_out outputs, as many blocks as are resident at

@@ -51,6 +51,7 @@ class Kernels:
     SIGNATURES = {
         "embedding_gather": ("embedding.cu", "PPPPi"),
         "add_rmsnorm": ("rmsnorm.cu", "PPPPPif"),
+        "head_rmsnorm": ("rmsnorm.cu", "PPPiif"),
         "rope_cos_sin": ("rope_cache.cu", "PPi"),
         "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
         "paged_attention_partial": ("attention.cu", "PPPPPPPPPiPPiiiif"),

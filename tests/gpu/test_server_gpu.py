@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llamastream.v1 import generation_pb2 as pb
 from tests.gpu.conftest import require_gpu
-from tests.gpu.test_model import SMOLLM2, make_model
+from devtools.checkpoints import SMOLLM2, make_model
 from tests.serving import ServerProcess, check_stream_shape, collect, stub
 
 require_gpu()

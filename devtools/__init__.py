@@ -1,0 +1,1 @@
+"""Helpers the tests and the benchmarks share: model shapes and random checkpoints, servers in subprocesses."""
