@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 from engine.backends import DEFAULT_TOKEN_BUDGETS
 from server.app import MIN_MESSAGE_BYTES, ServerConfig
@@ -82,9 +82,16 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="text (one line a record, control characters escaped) or json (one object a line)")
 
 
+def _version() -> str:
+    try:
+        return version("llamastream")
+    except PackageNotFoundError:  # (run from a checkout that was never installed)
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llamastream", description="Streaming gRPC inference for Llama-architecture models")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version('llamastream')}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_args(sub.add_parser("serve", help="serve a model over gRPC"))
     convert = sub.add_parser("convert-gguf", help="write a GGUF model as a Hugging Face directory")
