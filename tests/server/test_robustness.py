@@ -198,6 +198,7 @@ def request_threads() -> int:
     return sum(not t.name.startswith("prepare") for t in threading.enumerate())
 
 
+@pytest.mark.slow
 def test_soak(tiny_model):
     """Mixed traffic: plain requests, client cancels, short deadlines, Abort calls and
     bad requests. Every well-formed request either completes with the tokens it gives
