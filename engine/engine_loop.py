@@ -63,7 +63,7 @@ class EngineLoop:
                 log.exception("engine step failed")
                 error = f"engine fault: {type(e).__name__}: {e}"
                 outputs = self.engine.fail_step(error)
-                if getattr(self.engine.backend, "is_fatal", lambda _: False)(e):
+                if self.engine.backend.is_fatal(e):
                     # ...unless the device may be unusable: stop serving, fail everything, stop.
                     self.fatal_error = error
                     if self.on_fatal:

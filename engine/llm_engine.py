@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.backends.base import Backend
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.model_loader import LoadedModel
@@ -88,7 +89,7 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, model: LoadedModel, backend, config: EngineConfig):
+    def __init__(self, model: LoadedModel, backend: Backend, config: EngineConfig):
         self.model = model
         self.tokenizer = model.tokenizer
         self.backend = backend

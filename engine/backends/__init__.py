@@ -1,23 +1,11 @@
-"""Compute backends. Each holds the weights and the KV cache and runs a batch:
-
-    backend.name                                    "numpy" or "cuda"
-    backend.kv_cache_bytes_per_block(block_size)    to size the cache
-    backend.allocate_kv_cache(num_blocks, block_size, max_batch)
-                                                    max_batch: the most sequences a step holds
-    backend.launch(batch) -> wait                   queue the step (a GPU returns at once);
-                                                    wait() -> [SampleOutput | None for each
-                                                    scheduled sequence]
-    backend.execute(batch)                          launch(batch)(), for tests and benchmarks
-    backend.forward(batch) -> logits of the sampling sequences (tests, benchmarks)
-    backend.is_fatal(error) -> bool                 optional: stop serving after it
-
-`numpy` is the float32 reference that runs anywhere; `cuda` runs on NVIDIA GPUs.
-"""
+"""Compute backends, each a `Backend` (base.py): `numpy` is the float32 reference
+that runs anywhere; `cuda` runs on NVIDIA GPUs."""
 
 from __future__ import annotations
 
 import logging
 
+from engine.backends.base import Backend
 from engine.config import ModelConfig
 from engine.weights import ModelWeights
 
@@ -50,7 +38,7 @@ def cuda_unavailable_reason() -> str | None:
 
 
 def create_backend(device: str, config: ModelConfig, weights: ModelWeights, cuda_graphs: bool = True,
-                   batch_invariant: bool = False):
+                   batch_invariant: bool = False) -> Backend:
     """The backend for --device auto|cpu|cuda; auto takes cuda when it can run. The
     numpy backend is batch-invariant whatever `batch_invariant` says."""
     if device not in ("auto", "cpu", "cuda"):

@@ -188,6 +188,9 @@ class NumpyBackend:
         samples = self.execute(batch)
         return lambda: samples
 
+    def is_fatal(self, error: BaseException) -> bool:
+        return False  # (numpy leaves nothing in a bad state: a failed step fails its requests only)
+
     def _sample(self, s: ScheduledSeq, logits: np.ndarray) -> SampleOutput:
         seq = s.seq
         return sample(logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng, seq.banned_token_ids())

@@ -1,0 +1,38 @@
+"""What the engine asks of a compute backend (numpy, cuda): it holds the weights and
+the KV cache and runs one scheduled batch at a time."""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import numpy as np
+
+from engine.sampler import SampleOutput
+from engine.scheduler import ScheduledSeq
+
+Wait = Callable[[], list[SampleOutput | None]]  # a launched step's samples, one per scheduled sequence
+
+
+class Backend(Protocol):
+    name: str  # "numpy" or "cuda"
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of K and V one block of `block_size` tokens takes, every layer's: to size the cache."""
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
+        """The paged cache; `max_batch` is the most sequences one step holds."""
+
+    def launch(self, batch: list[ScheduledSeq]) -> Wait:
+        """Queue the step (a GPU returns at once, a CPU computes it first); the returned
+        function waits for its samples (None for a sequence that samples nothing).
+        A sequence's PENDING last token is the one this backend sampled for it in the
+        step before."""
+
+    def execute(self, batch: list[ScheduledSeq]) -> list[SampleOutput | None]:
+        """launch(batch)(), for tests and benchmarks."""
+
+    def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
+        """The logits of the sampling sequences, on the host (tests, benchmarks, logprobs)."""
+
+    def is_fatal(self, error: BaseException) -> bool:
+        """Whether the backend can no longer run after `error` (the server then stops)."""
