@@ -13,12 +13,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.backends.base import Backend
+from engine.backends.base import Backend, Wait
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.model_loader import LoadedModel
 from engine.output import OutputStream, RequestOutput, Usage
-from engine.sampler import SampleOutput
 from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import PENDING, FinishReason, Sequence
@@ -77,6 +76,19 @@ class EngineInfo:
         return Sequence(request_id, list(prompt_ids), params, max_tokens, eos_token_ids=self.tokenizer.eos_token_ids)
 
 
+# A step is launched while the one before it still runs, and ended (its tokens read
+# back) before a third is launched: the backends keep two steps' buffers.
+MAX_STEPS_IN_FLIGHT = 2
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    """A batch queued on the backend, and what waits for its samples."""
+
+    batch: list[ScheduledSeq]
+    wait: Wait
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """The engine's load, for metrics and for checks that nothing leaked."""
@@ -103,7 +115,7 @@ class LLMEngine:
                                config.max_num_batched_tokens)
         self._streams: dict[str, OutputStream] = {}
         # batches launched and not yet ended, oldest first, each with what waits for its samples
-        self._in_flight: deque[tuple[list[ScheduledSeq], Callable[[], list[SampleOutput | None]]]] = deque()
+        self._in_flight: deque[InFlightStep] = deque()  # launched, not yet ended, oldest first
         self._launching: list[ScheduledSeq] = []  # a batch being queued on the backend
         self._unsent: list[OutputStream] = []  # streams with recorded tokens not yet emitted
         self._with_penalties = 0  # live requests whose sampling reads their earlier tokens
@@ -159,7 +171,7 @@ class LLMEngine:
             while self._in_flight:
                 self.end_step()
         launched = self.begin_step()
-        if len(self._in_flight) > 1 or (self._in_flight and not launched):
+        if len(self._in_flight) >= MAX_STEPS_IN_FLIGHT or (self._in_flight and not launched):
             self.end_step()
         on_deltas(self.emit())
         return launched
@@ -178,16 +190,16 @@ class LLMEngine:
             if scheduled.samples:
                 scheduled.seq.output_ids.append(PENDING)
             scheduled.seq.num_computed_tokens += scheduled.num_tokens
-        self._in_flight.append((batch, wait))
+        self._in_flight.append(InFlightStep(batch, wait))
         return True
 
     def end_step(self) -> None:
         """Wait for the oldest batch in flight, record its tokens and take the sequences
         that hit a stop token or their length out of the schedule. Deltas wait for emit()."""
-        batch, wait = self._in_flight[0]
-        samples = wait()
+        step = self._in_flight[0]
+        samples = step.wait()
         self._in_flight.popleft()
-        for scheduled, sample in zip(batch, samples):
+        for scheduled, sample in zip(step.batch, samples):
             seq = scheduled.seq
             if sample is None or seq.is_finished:  # (ended while this batch ran: its token is dropped)
                 continue
@@ -209,7 +221,7 @@ class LLMEngine:
     def fail_step(self, error: str) -> list[RequestOutput]:
         """After begin_step, end_step or emit raised: end the requests they were working
         on with an error; the rest go on."""
-        launched = [s.seq for batch, _ in self._in_flight for s in batch]
+        launched = [s.seq for step in self._in_flight for s in step.batch]
         doomed = launched + [s.seq for s in self._launching] + [stream.seq for stream in self._unsent]
         failed = [
             self._finish(seq, RequestOutput(seq.request_id, finish_reason=FinishReason.ERROR, error=error))
