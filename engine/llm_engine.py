@@ -20,7 +20,7 @@ from engine.model_loader import LoadedModel
 from engine.output import OutputStream, RequestOutput, Usage
 from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import PENDING, FinishReason, Sequence
+from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("llamastream.engine")
@@ -162,7 +162,7 @@ class LLMEngine:
     def step_overlapped(self, on_deltas: Callable[[list[RequestOutput]], None]) -> bool:
         """One step with the host's work hidden under the device's: schedule and launch
         a batch while the previous one still runs (the tokens that one samples reach
-        this one on the device: see PENDING), then end the previous batch and hand its
+        this one on the device: see Sequence.num_pending), then end the previous batch and hand its
         deltas to `on_deltas` while the device computes this one. Deltas come out one
         call late (has_work() stays true until they have). False if no batch ran.
         Requests with penalties need their tokens on the host before the next
@@ -179,7 +179,7 @@ class LLMEngine:
     # The parts of a step: begin_step, end_step, emit.
     def begin_step(self) -> bool:
         """Schedule a batch and queue it on the backend; False if nothing was scheduled.
-        Its sampled tokens are PENDING until end_step."""
+        Its sampled tokens are pending until end_step."""
         batch = self.scheduler.schedule()
         if not batch:
             return False
@@ -188,7 +188,7 @@ class LLMEngine:
         self._launching = []
         for scheduled in batch:
             if scheduled.samples:
-                scheduled.seq.output_ids.append(PENDING)
+                scheduled.seq.num_pending += 1
             scheduled.seq.num_computed_tokens += scheduled.num_tokens
         self._in_flight.append(InFlightStep(batch, wait))
         return True

@@ -62,7 +62,7 @@ class OutputStream:
     """Per sequence: records sampled tokens, applies the stop rules, yields deltas.
 
     Recording is cheap and happens as soon as a step's tokens are back: it puts the
-    token in place of the step's PENDING one and decides the stops (a stop token, the
+    token after the others (one pending token fewer) and decides the stops (a stop token, the
     length). Emitting does the rest (detokenizing, stop strings) and may run while the
     GPU computes the next step; a stop string found then drops the tokens after it.
 
@@ -79,13 +79,14 @@ class OutputStream:
         # (both are banned before min_tokens, so sampling one means the end)
         self.stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(seq.eos_token_ids))
         self.unsent: list[SampleOutput] = []  # recorded, not yet emitted
-        self.recorded = 0  # output tokens back from the device (those after it are PENDING)
+        self.recorded = 0  # output tokens back from the device (those after it are pending)
         self.finish_reason: FinishReason | None = None  # set by record(): a stop token or the length
 
     def record(self, sample: SampleOutput) -> bool:
-        """Put a sampled token in place of its PENDING one; True if it ends the sequence."""
+        """Take a sampled token back from pending; True if it ends the sequence."""
         seq = self.seq
-        seq.output_ids[self.recorded] = sample.token_id
+        seq.output_ids.append(sample.token_id)
+        seq.num_pending -= 1
         self.recorded += 1
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()

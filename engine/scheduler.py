@@ -30,7 +30,7 @@ class ScheduledSeq:
     start: int  # first position computed in this step
     num_tokens: int
     # Whether this step reaches the end of the sequence, and so yields a token: fixed
-    # when scheduled (the sequence grows a PENDING token as the step is launched).
+    # when scheduled (the sequence grows a pending token as the step is launched).
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:

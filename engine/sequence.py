@@ -14,9 +14,6 @@ from engine.sampling_params import SamplingParams
 
 NO_BLOCKS = np.empty(0, np.int32)  # the block table of a sequence that holds none
 NO_BLOCKS.flags.writeable = False
-# An output token sampled on the device and not yet back: the backend that sampled it
-# reads it from its own previous step. Only ever the last token of a sequence.
-PENDING = -1
 
 
 class SequenceStatus(enum.Enum):
@@ -40,7 +37,11 @@ class Sequence:
     max_tokens: int  # resolved: the default or the request's, within the context
     eos_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # the generated tokens back on the host
+    # Tokens sampled by steps still in flight, after output_ids (at most one a step in
+    # flight). A step's input may be the first of them: the backend that sampled it
+    # reads it from its own previous step.
+    num_pending: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: np.ndarray = field(default_factory=lambda: NO_BLOCKS)  # int32 block ids (see BlockManager)
@@ -56,7 +57,8 @@ class Sequence:
         self.rng = np.random.Generator(np.random.Philox(self.seed))
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """Tokens start..end-1 of prompt + output, without building the whole list."""
+        """Tokens start..end-1 of prompt + output (none of them pending), without
+        building the whole list."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
@@ -64,9 +66,20 @@ class Sequence:
             return self.output_ids[start - n : end - n]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
 
+    def step_tokens(self, start: int, end: int) -> tuple[list[int], bool]:
+        """The known tokens of positions start..end-1, and whether the one at end-1 is
+        pending instead (then it is not in the list)."""
+        known = len(self.prompt_ids) + len(self.output_ids)
+        return self.tokens(start, min(end, known)), end > known
+
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + self.num_generated
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens sampled so far, pending ones included."""
+        return len(self.output_ids) + self.num_pending
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -78,16 +91,15 @@ class Sequence:
 
     @property
     def all_sampled(self) -> bool:
-        """Whether every token it may generate has been sampled (some maybe still PENDING)."""
-        return len(self.output_ids) >= self.max_tokens
+        """Whether every token it may generate has been sampled (some maybe still pending)."""
+        return self.num_generated >= self.max_tokens
 
     def drop_pending(self) -> None:
-        """Forget a PENDING token (the sequence ended before it came back)."""
-        if self.output_ids and self.output_ids[-1] == PENDING:
-            self.output_ids.pop()
+        """Forget the pending tokens (the sequence ended before they came back)."""
+        self.num_pending = 0
 
     def banned_token_ids(self) -> list[int]:
         """Tokens that would end the sequence before min_tokens."""
-        if len(self.output_ids) >= self.params.min_tokens:
+        if self.num_generated >= self.params.min_tokens:
             return []
         return self.eos_token_ids + self.params.stop_token_ids

@@ -25,7 +25,7 @@ class Backend(Protocol):
     def launch(self, batch: list[ScheduledSeq]) -> Wait:
         """Queue the step (a GPU returns at once, a CPU computes it first); the returned
         function waits for its samples (None for a sequence that samples nothing).
-        A sequence's PENDING last token is the one this backend sampled for it in the
+        A sequence's pending last token is the one this backend sampled for it in the
         step before."""
 
     def execute(self, batch: list[ScheduledSeq]) -> list[SampleOutput | None]:

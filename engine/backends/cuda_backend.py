@@ -476,7 +476,7 @@ class CudaBackend:
 
     def launch(self, batch: list[ScheduledSeq]) -> Callable[[], list[SampleOutput | None]]:
         """Queue the step (forward pass, sampling, the copy of the chosen tokens to the
-        host) and return at once; the returned function waits for its samples. PENDING
+        host) and return at once; the returned function waits for its samples. pending
         tokens of the batch are read from the previous step's samples on the device."""
         sampling = [s.seq for s in batch if s.samples]
         self._step_slots.reverse()
@@ -513,7 +513,7 @@ class CudaBackend:
             np.array([x.min_p for x in p], np.float32).view(np.int32),
             np.array([q.seed & 0xFFFFFFFF for q in seqs], np.uint32).view(np.int32),
             np.array([(q.seed >> 32) & 0xFFFFFFFF for q in seqs], np.uint32).view(np.int32),
-            np.array([len(q.output_ids) for q in seqs], np.int32),
+            np.array([q.num_generated for q in seqs], np.int32),
         ])
         uploaded = self._upload(fields, np.int32)
         args = [np.uintp(int(uploaded.gpudata) + 4 * S * i) for i in range(len(fields))]

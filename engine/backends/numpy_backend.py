@@ -15,7 +15,7 @@ from engine.config import ModelConfig
 from engine.models import architecture_of
 from engine.sampler import SampleOutput, sample
 from engine.scheduler import ScheduledSeq
-from engine.sequence import PENDING, Sequence
+from engine.sequence import Sequence
 from engine.weights import ModelWeights
 
 
@@ -143,7 +143,7 @@ class NumpyBackend:
         self.block_size = 0
         self.k_cache: list[np.ndarray] = []
         self.v_cache: list[np.ndarray] = []
-        self._sampled: dict[Sequence, int] = {}  # the last step's tokens, for its PENDING ones
+        self._sampled: dict[Sequence, int] = {}  # the last step's tokens, for the pending ones
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.config
@@ -171,11 +171,9 @@ class NumpyBackend:
         return rms_norm(ops.residual[last], self.final_norm, self.config.rms_norm_eps) @ self.lm_head.T
 
     def _tokens(self, s: ScheduledSeq) -> list[int]:
-        """The step's input tokens; a PENDING one is the one this backend sampled last step."""
-        tokens = s.seq.tokens(s.start, s.start + s.num_tokens)
-        if tokens[-1] == PENDING:
-            tokens[-1] = self._sampled[s.seq]
-        return tokens
+        """The step's input tokens; a pending one is the one this backend sampled last step."""
+        tokens, pending = s.seq.step_tokens(s.start, s.start + s.num_tokens)
+        return tokens + [self._sampled[s.seq]] if pending else tokens
 
     def execute(self, batch: list[ScheduledSeq]) -> list[SampleOutput | None]:
         logits = iter(self.forward(batch))

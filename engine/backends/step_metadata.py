@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.scheduler import ScheduledSeq
-from engine.sequence import PENDING, Sequence
+from engine.sequence import Sequence
 
 GENERATED_TILE = 64  # at 64 rows a bf16 GEMM is still bound by reading the weights
 PROMPT_TILE = 256
@@ -151,11 +151,17 @@ def decode_shape(batch_size: int, max_blocks: int, max_context: int, invariant: 
                      partitions=math.ceil(max_context / partition), invariant=invariant)
 
 
+def _input_ids(s: ScheduledSeq, previous_samples: dict[Sequence, int] | None) -> list[int]:
+    """The step's input tokens of `s`, a pending last one as -(its index in the previous step's samples + 1)."""
+    tokens, pending = s.seq.step_tokens(s.start, s.start + s.num_tokens)
+    return tokens + [-1 - previous_samples[s.seq]] if pending else tokens
+
+
 def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int, dummy_block: int,
                    query_rows: int, previous_samples: dict[Sequence, int] | None = None) -> np.ndarray:
     """The fields of FIELDS, concatenated. Padding rows (and rows past the batch, in a
     graph) read and write only `dummy_block`; samples past the batch sample padding rows.
-    A PENDING token has id -(i + 1), i = previous_samples[its sequence]: the embedding
+    A pending token has id -(i + 1), i = previous_samples[its sequence]: the embedding
     reads it from the previous step's i-th sample, on the device. (One pass over the
     batch, then numpy: it is on the host's side of every step.)"""
     T, bs, n = shape.tokens, block_size, len(batch)
@@ -174,10 +180,7 @@ def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int,
     tables[:] = dummy_block
     if n:
         tables[:n][np.arange(shape.max_blocks) < table_lens[:, None]] = np.concatenate([s.seq.block_table for s in batch])
-    tokens = np.fromiter((t for s in batch for t in s.seq.tokens(s.start, s.start + s.num_tokens)), np.int64, len(row))
-    pending = np.flatnonzero(tokens == PENDING)
-    if len(pending):
-        tokens[pending] = [-1 - previous_samples[batch[i].seq] for i in seq_of_token[pending].tolist()]
+    tokens = np.fromiter((t for s in batch for t in _input_ids(s, previous_samples)), np.int64, len(row))
     f["ids"][:] = 0
     f["ids"][row] = tokens
     f["positions"][:] = 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import PENDING
 from tests.conftest import make_engine, run, text, tokens
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Count to five.", "Name three colours."]
@@ -38,7 +37,7 @@ def stops(smollm2, prompts):
 
 class LaunchLog:
     """Wraps a backend; counts the most launches that were in flight at once, and
-    launches that gave a request with penalties a PENDING token. Checks that a batch
+    launches that gave a request with penalties a pending token. Checks that a batch
     still says which of its sequences sample when its samples are waited for (a GPU
     backend reads that then)."""
 
@@ -49,7 +48,7 @@ class LaunchLog:
         return getattr(self.inner, name)
 
     def launch(self, batch):
-        self.penalised_pending += any(PENDING in s.seq.output_ids for s in batch if s.seq.params.has_penalties)
+        self.penalised_pending += any(s.seq.num_pending for s in batch if s.seq.params.has_penalties)
         wait = self.inner.launch(batch)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -100,7 +99,7 @@ def test_an_abort_while_a_batch_runs_ahead_counts_only_the_tokens_that_came_back
             streamed.setdefault(out.request_id, []).extend(out.token_ids)
     for _ in range(6):
         engine.step_overlapped(collect)
-    assert log.in_flight == 1  # the batch launched last, with r0's next token PENDING in it
+    assert log.in_flight == 1  # the batch launched last, with r0's next token pending in it
     aborted = engine.abort("r0")
     assert aborted.finish_reason.name == "ABORT" and aborted.usage.completion_tokens == len(streamed["r0"]) > 0
     while engine.has_work():

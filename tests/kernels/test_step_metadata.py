@@ -12,7 +12,7 @@ from engine.backends.step_metadata import (
 )
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
-from engine.sequence import PENDING, Sequence
+from engine.sequence import Sequence
 
 BLOCK, DUMMY, QUERY_ROWS = 4, 999, 3
 
@@ -20,7 +20,7 @@ BLOCK, DUMMY, QUERY_ROWS = 4, 999, 3
 def naive(batch: list[ScheduledSeq], shape: StepShape, previous: dict[Sequence, int] | None = None) -> dict[str, list[int]]:
     """One token at a time, straight from the definitions: generated tokens from row 0,
     prompt tokens from row shape.generated_rows, padding rows everywhere else; a
-    PENDING token as -(its index in the previous step's samples + 1)."""
+    pending token as -(its index in the previous step's samples + 1)."""
     T = shape.tokens
     f = {"ids": [0] * T, "positions": [0] * T, "slots": [DUMMY * BLOCK] * T, "token_seq": [t % shape.seqs for t in range(T)]}
     next_row = {True: 0, False: shape.generated_rows}
@@ -35,8 +35,8 @@ def naive(batch: list[ScheduledSeq], shape: StepShape, previous: dict[Sequence, 
                     f["prompt_tiles"] += [r, 0]
                 f["prompt_tiles"][-1] += 1
             next_row[generated] += 1
-            token = (s.seq.prompt_ids + s.seq.output_ids)[p]
-            f["ids"][r] = -1 - previous[s.seq] if token == PENDING else token
+            known = s.seq.prompt_ids + s.seq.output_ids
+            f["ids"][r] = known[p] if p < len(known) else -1 - previous[s.seq]
             f["positions"][r] = p
             f["slots"][r] = s.seq.block_table[p // BLOCK] * BLOCK + p % BLOCK
             f["token_seq"][r] = i
@@ -55,16 +55,15 @@ def naive(batch: list[ScheduledSeq], shape: StepShape, previous: dict[Sequence, 
 
 @st.composite
 def batches(draw):
-    """A batch; some sequences end in a PENDING token, sampled by the previous step."""
+    """A batch; some sequences end in a pending token, sampled by the previous step."""
     free = list(range(200))
     batch = []
     for i in range(draw(st.integers(1, 6))):
         prompt = draw(st.lists(st.integers(0, 500), min_size=1, max_size=30))
         output = draw(st.lists(st.integers(0, 500), max_size=10))
-        if output and draw(st.booleans()):
-            output[-1] = PENDING
+        pending = bool(output) and draw(st.booleans())
         seq = Sequence(f"r{i}", prompt, SamplingParams(seed=0), 50)
-        seq.output_ids = output
+        seq.output_ids, seq.num_pending = output[:-1] if pending else output, int(pending)
         start = draw(st.integers(0, seq.num_tokens - 1))
         n = draw(st.integers(1, seq.num_tokens - start))
         blocks = [free.pop(draw(st.integers(0, len(free) - 1))) for _ in range(-(-(start + n) // BLOCK))]
