@@ -60,18 +60,21 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is SequenceStatus.RUNNING and not seq.all_sampled and seq.num_uncomputed_tokens == 1:
-                if self._make_room(seq, seq.num_computed_tokens + 1, chunks):
+                end = seq.num_computed_tokens + 1
+                if not self.block_manager.blocks_needed(seq, end) or self._make_room(seq, end, chunks):
                     chunks[seq] = 1
                     budget -= 1
 
         prompts = [s for s in self.running if s not in chunks and not s.all_sampled and s.num_uncomputed_tokens > 1]
         share = max(1, budget // 2) if len(prompts) + len(self.waiting) > 1 else budget
+        scheduled_prompts = []
         for seq in prompts:
             if budget and seq.status is SequenceStatus.RUNNING:  # (not preempted by a prompt before it)
                 n = self._fit(seq, min(share, budget), chunks)
                 if n:
                     chunks[seq] = n
                     budget -= n
+                    scheduled_prompts.append(seq)
         # After a preemption the pool is tight: admitting more would only thrash.
         admit = self.num_preemptions == preemptions_before
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -85,7 +88,8 @@ class Scheduler:
             self.running.append(seq)
             chunks[seq] = n
             budget -= n
-        for seq in [s for s, n in chunks.items() if n > 1 or s.num_uncomputed_tokens > 1]:  # what is left, to prompts
+            scheduled_prompts.append(seq)
+        for seq in scheduled_prompts:  # what is left, to the same prompts
             if budget == 0:
                 break
             extra = self._fit(seq, budget, chunks, preempt=False)
