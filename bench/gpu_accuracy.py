@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.backends.cuda_backend import CudaBackend  # noqa: E402
+from engine.backends.cuda.backend import CudaBackend  # noqa: E402
 from engine.backends.numpy_backend import NumpyBackend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402

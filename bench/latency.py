@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_throughput import StepTimeline  # noqa: E402
-from engine.backends.cuda_backend import CudaBackend  # noqa: E402
+from engine.backends.cuda.backend import CudaBackend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402

@@ -25,9 +25,10 @@ import pycuda.gpuarray as gpuarray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.backends.cuda_backend import CudaBackend  # noqa: E402
-from engine.backends.cuda_kernels import Kernels  # noqa: E402
-from engine.backends.cuda_graph import CudaGraph  # noqa: E402
+from engine.backends.cuda.backend import CudaBackend  # noqa: E402
+from engine.backends.cuda.cublas import DataType  # noqa: E402
+from engine.backends.cuda.graph import CudaGraph  # noqa: E402
+from engine.backends.cuda.kernels import SIGNATURES, Kernels  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -47,7 +48,7 @@ def gpu_ms(stream: cuda.Stream, run) -> float:
 def graph_ms(stream: cuda.Stream, queue) -> float:
     """GPU milliseconds of one launch of a graph captured from `queue` (our kernels'
     launches programmatic, as in the engine's graphs), after a first launch."""
-    graph = CudaGraph(stream.handle, queue, awaiting_kernels=Kernels.SIGNATURES)
+    graph = CudaGraph(stream.handle, queue, awaiting_kernels=SIGNATURES)
     graph.launch()
     try:
         return gpu_ms(stream, graph.launch)
@@ -60,10 +61,9 @@ class Timer:
 
     def __init__(self, backend: CudaBackend):
         self.backend, self.events, self.on = backend, [], False
-        for name in Kernels.SIGNATURES:
-            fn = getattr(backend.kernels, name)
+        for name, fn in backend.kernels.functions.items():
             fn.prepared_async_call = self._wrap(name, fn.prepared_async_call)
-        backend.blas.linear = self._wrap("gemm (cuBLAS)", backend.blas.linear)
+        backend.blas.gemm = self._wrap("gemm (cuBLAS)", backend.blas.gemm)
 
     def _wrap(self, name, call):
         def timed(*args, **kwargs):
@@ -133,15 +133,13 @@ def graph_kernel_table(model) -> None:
                                                                                    ignore_eos=True)))
     engine.step()  # the prompt
     launches = []  # (kernel name, grid, block, arguments after the stream, keywords)
-    for name in Kernels.SIGNATURES:
-        fn = getattr(backend.kernels, name)
-
+    for name, fn in backend.kernels.functions.items():
         def record(grid, block, stream, *args, _name=name, _call=fn.prepared_async_call, **kwargs):
             launches.append((_name, grid, block, args, kwargs))
             return _call(grid, block, stream, *args, **kwargs)
         fn.prepared_async_call = record
     gemms = []
-    backend.blas.linear = lambda *args, _call=backend.blas.linear, **kwargs: (gemms.append(args), _call(*args, **kwargs))
+    backend.blas.gemm = lambda *args, _call=backend.blas.gemm, **kwargs: (gemms.append(args), _call(*args, **kwargs))
     engine.step()  # (its buffers go back to the memory pool, which keeps them: the replays below reuse them)
     repeats = 20
     print(f"\nbatch-1 decode step (context 129) as a CUDA graph runs it, kernel by kernel ({len(gemms)} cuBLAS calls left out)")
@@ -154,7 +152,7 @@ def graph_kernel_table(model) -> None:
             def queue():
                 for _ in range(repeats):
                     for name, grid, block, args, kwargs in chosen:
-                        getattr(kernels, name).prepared_async_call(grid, block, backend.stream, *args, **kwargs)
+                        kernels.functions[name].prepared_async_call(grid, block, backend.stream, *args, **kwargs)
             return graph_ms(backend.stream, queue) * 1e3 / repeats
         names = list(dict.fromkeys(name for name, *_ in launches))
         rows = [(name, [launch for launch in launches if launch[0] == name]) for name in names] + [("all, in order", launches)]
@@ -167,10 +165,9 @@ def gemm_table(backend: CudaBackend) -> None:
     """Time of one product per weight matrix and row count, and the weight bytes it
     reads per second: cuBLAS, and at one row our GEMV (the backend's choice there),
     launched one by one and, as in a decode graph, back to back with programmatic launches."""
-    c = backend.config
-    matrices = {"qkv": (backend.layers[0]["qkv"], c.hidden_size), "o": (backend.layers[0]["o"], c.q_size),
-                "gate_up": (backend.layers[0]["gate_up"], c.hidden_size), "down": (backend.layers[0]["down"], c.intermediate_size),
-                "lm_head": (backend.lm_head, c.hidden_size)}
+    c, layer = backend.config, backend.weights.layers[0]
+    matrices = {"qkv": layer["qkv"], "o": layer["self_attn.o_proj.weight"], "gate_up": layer["gate_up"],
+                "down": layer["mlp.down_proj.weight"], "lm_head": backend.weights.lm_head}
     repeats = 20
     print("\nGEMM, microseconds (weight TB/s); the backend uses gemv at one row")
     print(f"{'rows':>5} {'by':>6} | " + " | ".join(f"{name:>16}" for name in matrices))
@@ -181,14 +178,15 @@ def gemm_table(backend: CudaBackend) -> None:
         for rows in (1, 2, 4, 8, 16, 64, 128, 256):
             for by in ("cuBLAS", "gemv", "graph") if rows == 1 else ("cuBLAS",):
                 cells = []
-                for name, (w, d_in) in matrices.items():
-                    d_out, y = w.size // d_in, outputs[name == "lm_head"]
+                for name, w in matrices.items():
+                    y, out_f32 = outputs[name == "lm_head"], name == "lm_head"
 
                     def product(kernels: Kernels) -> None:
                         if by == "cuBLAS":
-                            backend.blas.linear(int(y.gpudata), int(x.gpudata), int(w.gpudata), rows, d_in, d_out, name == "lm_head")
+                            backend.blas.gemm(int(y.gpudata), DataType.F32 if out_f32 else DataType.BF16, int(x.gpudata),
+                                              DataType.BF16, int(w.data.gpudata), DataType.BF16, rows, w.d_in, w.d_out)
                         else:
-                            backend.gemv(int(y.gpudata), int(x.gpudata), w, d_in, d_out, name == "lm_head", kernels)
+                            kernels.gemv(backend.stream, y, x, w.data, w.d_in, w.d_out, out_f32)
 
                     def run(kernels: Kernels = backend.kernels) -> None:
                         for _ in range(repeats):

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.backends.base import Backend, Wait
+from engine.backends.base import MAX_STEPS_IN_FLIGHT, Backend, Wait
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.model_loader import LoadedModel
@@ -74,11 +74,6 @@ class EngineInfo:
         if params.min_tokens > max_tokens:
             raise InvalidRequest(f"stop.min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens that fit")
         return Sequence(request_id, list(prompt_ids), params, max_tokens, eos_token_ids=self.tokenizer.eos_token_ids)
-
-
-# A step is launched while the one before it still runs, and ended (its tokens read
-# back) before a third is launched: the backends keep two steps' buffers.
-MAX_STEPS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)

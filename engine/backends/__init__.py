@@ -31,7 +31,7 @@ def cuda_unavailable_reason() -> str | None:
     except cuda.Error as e:
         return f"the CUDA driver failed to start: {e}"
     try:
-        import engine.backends.cuda_backend  # noqa: F401
+        import engine.backends.cuda.backend  # noqa: F401
     except ImportError as e:
         return f"the CUDA backend failed to import: {e}"
     return None
@@ -46,7 +46,7 @@ def create_backend(device: str, config: ModelConfig, weights: ModelWeights, cuda
     if device in ("auto", "cuda"):
         reason = cuda_unavailable_reason()
         if reason is None:
-            from engine.backends.cuda_backend import CudaBackend
+            from engine.backends.cuda.backend import CudaBackend
 
             log.info("device %s: using the CUDA backend", device)
             return CudaBackend(config, weights, cuda_graphs=cuda_graphs, batch_invariant=batch_invariant)

@@ -11,6 +11,9 @@ from engine.sampler import SampleOutput
 from engine.scheduler import ScheduledSeq
 
 Wait = Callable[[], list[SampleOutput | None]]  # a launched step's samples, one per scheduled sequence
+# A step is launched while the one before it still runs, and ended (its tokens read
+# back) before a third is launched: a backend keeps this many steps' buffers.
+MAX_STEPS_IN_FLIGHT = 2
 
 
 class Backend(Protocol):

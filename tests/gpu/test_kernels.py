@@ -18,12 +18,9 @@ require_gpu()
 import pycuda.gpuarray as gpuarray  # noqa: E402
 
 from engine.backends import numpy_backend as ref  # noqa: E402
-from engine.backends.cublas import Cublas  # noqa: E402
-from engine.backends.cuda_kernels import (  # noqa: E402
-    ATTENTION_THREADS, GEMV_WARPS, PREFILL_THREADS, SAMPLE_CLUSTER, SAMPLE_THREADS, Kernels, prefill_query_rows,
-    rope_and_cache_threads,
-)
-from engine.backends.step_metadata import PARTITION, SMALL_DECODE_PARTITION  # noqa: E402
+from engine.backends.cuda.cublas import Cublas, DataType  # noqa: E402
+from engine.backends.cuda.kernels import Kernels, PagedAttention, prefill_query_rows  # noqa: E402
+from engine.backends.cuda.step_metadata import PARTITION, SMALL_DECODE_PARTITION  # noqa: E402
 from engine.sampler import apply_penalties  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.weights import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
@@ -38,8 +35,9 @@ def kernels_for(group: int, head_dim: int = 64) -> Kernels:
     """The kernels compiled for `head_dim` and `group` query heads per KV head."""
     import pycuda.driver as cuda
 
-    major, minor = cuda.Context.get_device().compute_capability()
-    return Kernels(head_dim, group, f"sm_{major}{minor}")
+    device = cuda.Context.get_device()
+    major, minor = device.compute_capability()
+    return Kernels(head_dim, group, f"sm_{major}{minor}", device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT))
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +61,6 @@ def i32(values) -> gpuarray.GPUArray:
     return gpuarray.to_gpu(np.asarray(values, dtype=np.int32))
 
 
-def launch(fn, grid, block, *args, shared_size: int = 0):
-    fn.prepared_call(grid, block, *[a.gpudata if isinstance(a, gpuarray.GPUArray) else a for a in args],
-                     shared_size=shared_size)
-
-
 @pytest.mark.parametrize("tokens, hidden", [(1, 64), (37, 2048), (5, 576)])
 def test_embedding_gather(kernels, tokens, hidden):
     """Ids from the host, and (negative) ones that name a token sampled on the device."""
@@ -78,8 +71,7 @@ def test_embedding_gather(kernels, tokens, hidden):
     source = RNG.integers(0, 7, tokens)
     encoded = np.where(on_device, -(source + 1), ids)
     out = gpuarray.to_gpu(np.full((tokens, hidden), np.nan, np.float32))
-    launch(kernels.embedding_gather, (tokens, 1), (256, 1, 1), out, up_bf16(table), i32(encoded), i32(sampled),
-           np.int32(hidden))
+    kernels.embedding_gather(None, out, up_bf16(table), i32(encoded), i32(sampled), tokens, hidden)
     assert np.array_equal(out.get(), bf16(table)[np.where(on_device, sampled[source], ids)])
 
 
@@ -91,8 +83,8 @@ def test_add_rmsnorm(kernels, tokens, hidden, with_delta):
     rows = RNG.permutation(tokens)[: max(1, tokens // 2)]  # a subset, in any order
     res_gpu = gpuarray.to_gpu(residual)
     out = poisoned_bf16((len(rows), hidden))
-    launch(kernels.add_rmsnorm, (len(rows), 1), (256, 1, 1), res_gpu, up_bf16(delta) if with_delta else np.uintp(0),
-           up_bf16(weight), out, i32(rows), np.int32(hidden), np.float32(1e-5))
+    kernels.add_rmsnorm(None, res_gpu, up_bf16(delta) if with_delta else None, up_bf16(weight), out, i32(rows), len(rows),
+                        hidden, 1e-5)
     expected_res = residual + bf16(delta) if with_delta else residual
     expected = ref.rms_norm(expected_res[rows], bf16(weight), 1e-5)
     assert rel_l2(down_bf16(out), expected) < TOL
@@ -113,13 +105,8 @@ def llama3_inv_freq(head_dim: int) -> np.ndarray:
 def cos_sin_table(kernels, inv_freq: np.ndarray, positions: int) -> gpuarray.GPUArray:
     """rope_cos_sin's table for positions 0..positions-1."""
     table = gpuarray.empty((positions, len(inv_freq), 2), np.float32)
-    launch(kernels.rope_cos_sin, (positions, 1), (len(inv_freq), 1, 1), table, gpuarray.to_gpu(inv_freq),
-           np.int32(len(inv_freq)))
+    kernels.rope_cos_sin(None, table, gpuarray.to_gpu(inv_freq), positions)
     return table
-
-
-def rope_and_cache_block(heads: int, kv_heads: int, D: int) -> tuple[int, int, int]:
-    return rope_and_cache_threads(heads, kv_heads, D), 1, 1
 
 
 def test_rope_cos_sin_table(kernels):
@@ -134,17 +121,17 @@ def test_rope_cos_sin_table(kernels):
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(32, 8), (9, 3)])
-def test_rope_and_cache(kernels, heads, kv_heads):
+def test_rope_and_cache(cuda_context, heads, kv_heads):
     D, tokens, slots_total = 64, 23, 200
+    kernels = kernels_for(heads // kv_heads, D)
     inv_freq = llama3_inv_freq(D)
     qkv = RNG.standard_normal((tokens, (heads + 2 * kv_heads) * D)).astype(np.float32)
     positions = RNG.integers(0, 5000, tokens)
     slots = RNG.permutation(slots_total)[:tokens]
     qkv_gpu = up_bf16(qkv)
     k_cache, v_cache = poisoned_bf16((slots_total, kv_heads, D)), poisoned_bf16((slots_total, kv_heads, D))
-    launch(kernels.rope_and_cache, (tokens, 1), rope_and_cache_block(heads, kv_heads, D), qkv_gpu, k_cache, v_cache,
-           i32(positions), i32(slots), cos_sin_table(kernels, inv_freq, 5000), np.int32(heads), np.int32(kv_heads),
-           np.int32(D))
+    kernels.rope_and_cache(None, qkv_gpu, k_cache, v_cache, i32(positions), i32(slots), cos_sin_table(kernels, inv_freq, 5000),
+                           tokens, heads, kv_heads)
     cos, sin = ref.rope_cos_sin(positions, inv_freq)
     q_in = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     k_in = bf16(qkv)[:, heads * D : (heads + kv_heads) * D].reshape(tokens, kv_heads, D)
@@ -190,25 +177,22 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
     part_acc = gpuarray.to_gpu(np.full((tokens, heads, partitions, D), np.nan, np.float32))
     part_max = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
     part_sum = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
-    partials = (part_acc, part_max, part_sum, qkv_gpu, kc, vc, i32(table_arr), np.int32(max_blocks), i32(token_seq), i32(positions))
-    sizes = (np.int32(heads), np.int32(kv_heads), np.int32(block_size), np.int32(partition), scale)
+    attention = PagedAttention(part_acc, part_max, part_sum, qkv_gpu, i32(table_arr), max_blocks, i32(token_seq),
+                               i32(positions), heads, kv_heads, block_size, partition, partitions, scale)
     if kernel == "decode merging itself":  # (pass 2 in the same launch)
         arrivals = gpuarray.zeros((tokens, kv_heads), np.int32)
         for _ in range(2):  # the second launch relies on the first leaving the arrival counts at zero
             out = poisoned_bf16((tokens, heads * D))
-            launch(kernels.paged_attention_partial, (tokens, kv_heads, partitions), (ATTENTION_THREADS, 1, 1), out, arrivals,
-                   *partials, *sizes)
+            kernels.paged_attention_partial(None, out, arrivals, attention, kc, vc, tokens)
         assert not arrivals.get().any()
     else:
         if kernel == "decode":
-            launch(kernels.paged_attention_partial, (tokens, kv_heads, partitions), (ATTENTION_THREADS, 1, 1), out,
-                   np.uintp(0), *partials, *sizes)
+            kernels.paged_attention_partial(None, out, None, attention, kc, vc, tokens)
         else:
             rows = prefill_query_rows(heads // kv_heads)
             starts = np.cumsum([0] + [n for _, n in seqs])
             tiles = [(r, min(rows, end - r)) for start, end in zip(starts, starts[1:]) for r in range(start, end, rows)]
-            launch(kernels.prefill_attention_partial, (len(tiles), kv_heads, partitions), (PREFILL_THREADS, 1, 1), *partials,
-                   i32(np.ravel(tiles)), *sizes)
+            kernels.prefill_attention_partial(None, attention, kc, vc, i32(np.ravel(tiles)), len(tiles))
         # what pass 1 left in the partitions past each token's context is never read: poison it
         unspanned = np.arange(partitions)[None, None, :] >= (positions // partition + 1)[:, None, None]
         unspanned = np.broadcast_to(unspanned, (tokens, heads, partitions))
@@ -216,8 +200,7 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
             host = a.get()
             host[unspanned] = np.nan
             a.set(host)
-        launch(kernels.paged_attention_merge, (tokens, heads), (D, 1, 1), out, part_acc, part_max, part_sum, i32(positions),
-               np.int32(partition), np.int32(partitions))
+        kernels.paged_attention_merge(None, out, attention, tokens)
     got = down_bf16(out)
     q = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     start = 0
@@ -235,8 +218,8 @@ def test_head_rmsnorm(cuda_context, heads, kv_heads, D):
     qkv = RNG.standard_normal((tokens, width)).astype(np.float32) * 2
     q_weight, k_weight = (RNG.standard_normal(D).astype(np.float32) for _ in range(2))
     got = up_bf16(qkv)
-    launch(kernels_for(heads // kv_heads, D).head_rmsnorm, (tokens, heads + kv_heads), (32, 1, 1), got, up_bf16(q_weight),
-           up_bf16(k_weight), np.int32(heads), np.int32(kv_heads), np.float32(1e-6))
+    kernels_for(heads // kv_heads, D).head_rmsnorm(None, got, up_bf16(q_weight), up_bf16(k_weight), tokens, heads, kv_heads,
+                                                   1e-6)
     expected = ref.head_rms_norm(bf16(qkv), bf16(q_weight), bf16(k_weight), heads, kv_heads, D, 1e-6)
     result = down_bf16(got)
     assert rel_l2(result, expected) < TOL
@@ -247,7 +230,7 @@ def test_head_rmsnorm(cuda_context, heads, kv_heads, D):
 def test_silu_and_mul(kernels, tokens, inter):
     gate_up = RNG.standard_normal((tokens, 2 * inter)).astype(np.float32) * 3
     out = poisoned_bf16((tokens, inter))
-    launch(kernels.silu_and_mul, (-(-inter // (8 * 256)), tokens), (256, 1, 1), out, up_bf16(gate_up), np.int32(inter))
+    kernels.silu_and_mul(None, out, up_bf16(gate_up), tokens, inter)
     assert rel_l2(down_bf16(out), ref.silu_and_mul(bf16(gate_up))) < TOL
 
 
@@ -262,7 +245,8 @@ def test_cublas_linear(cuda_context, tokens, d_in, d_out, out_f32):
     w = RNG.standard_normal((d_out, d_in)).astype(np.float32) / np.sqrt(d_in)
     y = gpuarray.to_gpu(np.full((tokens, d_out), np.nan, np.float32)) if out_f32 else poisoned_bf16((tokens, d_out))
     xg, wg = up_bf16(x), up_bf16(w)
-    blas.linear(int(y.gpudata), int(xg.gpudata), int(wg.gpudata), tokens, d_in, d_out, out_f32=out_f32)
+    blas.gemm(int(y.gpudata), DataType.F32 if out_f32 else DataType.BF16, int(xg.gpudata), DataType.BF16, int(wg.gpudata),
+              DataType.BF16, tokens, d_in, d_out)
     stream.synchronize()
     got = y.get() if out_f32 else bf16_bits_to_f32(y.get())
     assert rel_l2(got, bf16(x) @ bf16(w).T) < TOL
@@ -279,7 +263,7 @@ def test_gemv_matches_numpy_on_any_grid(kernels, d_in, d_out, out_f32):
 
     def gemv(blocks: int | None = None) -> np.ndarray:
         y = gpuarray.to_gpu(np.full(d_out, np.nan, np.float32)) if out_f32 else poisoned_bf16((d_out,))
-        launch(kernels.gemv, *gemv_grid(d_out, blocks), y, np.int32(out_f32), xg, wg, np.int32(d_in), np.int32(d_out))
+        kernels.gemv(None, y, xg, wg, d_in, d_out, out_f32, blocks)
         return y.get() if out_f32 else bf16_bits_to_f32(y.get())
 
     got = gemv()
@@ -287,28 +271,22 @@ def test_gemv_matches_numpy_on_any_grid(kernels, d_in, d_out, out_f32):
     assert np.array_equal(gemv(blocks=3), got)  # the sums do not depend on the grid: here each warp takes several rows
 
 
-def gemv_grid(d_out: int, blocks: int | None = None) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """A block per GEMV_WARPS outputs, or `blocks` (each warp then takes several rows)."""
-    return (blocks or -(-d_out // GEMV_WARPS), 1), (32 * GEMV_WARPS, 1, 1)
-
-
 def separate_gemv(kernels, x: gpuarray.GPUArray, w: gpuarray.GPUArray, d_in: int, d_out: int) -> gpuarray.GPUArray:
     y = poisoned_bf16((1, d_out))
-    launch(kernels.gemv, *gemv_grid(d_out), y, np.int32(0), x, w, np.int32(d_in), np.int32(d_out))
+    kernels.gemv(None, y, x, w, d_in, d_out)
     return y
 
 
 def separate_add(kernels, residual: gpuarray.GPUArray, delta: gpuarray.GPUArray, hidden: int) -> None:
     """residual += delta by add_rmsnorm (its normalised output is dropped)."""
-    launch(kernels.add_rmsnorm, (1, 1), (256, 1, 1), residual, delta, up_bf16(np.ones(hidden, np.float32)),
-           poisoned_bf16((1, hidden)), i32([0]), np.int32(hidden), np.float32(1e-5))
+    kernels.add_rmsnorm(None, residual, delta, up_bf16(np.ones(hidden, np.float32)), poisoned_bf16((1, hidden)), i32([0]), 1,
+                        hidden, 1e-5)
 
 
 def separate_rmsnorm(kernels, residual: gpuarray.GPUArray, norm_weight: gpuarray.GPUArray, hidden: int) -> gpuarray.GPUArray:
     """RMSNorm(residual) by add_rmsnorm with no delta."""
     h = poisoned_bf16((1, hidden))
-    launch(kernels.add_rmsnorm, (1, 1), (256, 1, 1), residual, np.uintp(0), norm_weight, h, i32([0]), np.int32(hidden),
-           np.float32(1e-5))
+    kernels.add_rmsnorm(None, residual, None, norm_weight, h, i32([0]), 1, hidden, 1e-5)
     return h
 
 
@@ -316,7 +294,8 @@ def separate_rmsnorm(kernels, residual: gpuarray.GPUArray, norm_weight: gpuarray
 # (Llama 3.2 1B, SmolLM2-135M and Llama 3.2 3B's attention shapes)
 @pytest.mark.parametrize("heads, kv_heads, D, hidden", [(32, 8, 64, 2048), (9, 3, 64, 576), (24, 8, 128, 3072)])
 @pytest.mark.parametrize("blocks", [None, 2])
-def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(kernels, heads, kv_heads, D, hidden, blocks):
+def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(cuda_context, heads, kv_heads, D, hidden, blocks):
+    kernels = kernels_for(heads // kv_heads, D)
     residual = gpuarray.to_gpu(bf16(RNG.standard_normal((1, hidden)).astype(np.float32)))
     norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
     width, slots_total = (heads + 2 * kv_heads) * D, 64
@@ -328,13 +307,11 @@ def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(kernels, heads, kv_he
         return poisoned_bf16((slots_total, kv_heads, D)), poisoned_bf16((slots_total, kv_heads, D))
     expected_qkv = separate_gemv(kernels, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, width)
     expected_k, expected_v = caches()
-    launch(kernels.rope_and_cache, (1, 1), rope_and_cache_block(heads, kv_heads, D), expected_qkv, expected_k, expected_v,
-           positions, slots, cos_sin, np.int32(heads), np.int32(kv_heads), np.int32(D))
+    kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads)
     qkv = poisoned_bf16((1, width))
     k_cache, v_cache = caches()
-    launch(kernels.gemv_rmsnorm_rope, *gemv_grid(width // 2, blocks), qkv, residual, norm_weight, np.float32(1e-5), w,
-           k_cache, v_cache, positions, slots, cos_sin, np.int32(heads), np.int32(kv_heads), np.int32(D),
-           np.int32(hidden), np.int32(width // 2), shared_size=hidden * 2)
+    kernels.gemv_rmsnorm_rope(None, qkv, residual, norm_weight, 1e-5, w, k_cache, v_cache, positions, slots, cos_sin, heads,
+                              kv_heads, hidden, blocks)
     q = heads * D
     assert np.array_equal(qkv.get()[:, :q], expected_qkv.get()[:, :q])  # q, rotated in place
     assert np.array_equal(k_cache.get(), expected_k.get())  # k and v in their slot, and nothing else written
@@ -351,10 +328,9 @@ def test_gemv_rmsnorm_silu_equals_add_rmsnorm_then_gemv_then_silu(kernels, hidde
     w = up_bf16(RNG.standard_normal((2 * inter, hidden)).astype(np.float32) * 3 / np.sqrt(hidden))
     gate_up = separate_gemv(kernels, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, 2 * inter)
     expected = poisoned_bf16((1, inter))
-    launch(kernels.silu_and_mul, (-(-inter // (8 * 256)), 1), (256, 1, 1), expected, gate_up, np.int32(inter))
+    kernels.silu_and_mul(None, expected, gate_up, 1, inter)
     act = poisoned_bf16((1, inter))
-    launch(kernels.gemv_rmsnorm_silu, *gemv_grid(inter, blocks), act, residual, norm_weight, np.float32(1e-5), w,
-           np.int32(hidden), np.int32(inter), shared_size=hidden * 2)
+    kernels.gemv_rmsnorm_silu(None, act, residual, norm_weight, 1e-5, w, hidden, inter, blocks)
     assert np.array_equal(act.get(), expected.get())
     assert np.array_equal(residual.get(), residual_values)  # read, not written
 
@@ -368,7 +344,7 @@ def test_gemv_add_equals_gemv_then_residual_add(kernels, d_in, hidden, blocks):
     expected = gpuarray.to_gpu(residual)
     separate_add(kernels, expected, separate_gemv(kernels, x, w, d_in, hidden), hidden)
     got = gpuarray.to_gpu(residual)
-    launch(kernels.gemv_add, *gemv_grid(hidden, blocks), got, x, w, np.int32(d_in), np.int32(hidden))
+    kernels.gemv_add(None, got, x, w, d_in, hidden, blocks)
     assert np.array_equal(got.get(), expected.get())
 
 
@@ -376,10 +352,9 @@ def sample_gpu(kernels, logits: np.ndarray, params: list[SamplingParams], seeds,
     S, V = logits.shape
     out = gpuarray.to_gpu(np.full(S, -1, np.int32))
     f32 = lambda v: gpuarray.to_gpu(np.asarray(v, np.float32))  # noqa: E731
-    launch(kernels.sample_tokens, (SAMPLE_CLUSTER, S), (SAMPLE_THREADS, 1, 1), out, gpuarray.to_gpu(logits), np.int32(V),
-           f32([p.temperature for p in params]), f32([p.top_p for p in params]), i32([p.top_k for p in params]),
-           f32([p.min_p for p in params]), gpuarray.to_gpu(np.asarray(seeds, np.uint32)),
-           gpuarray.to_gpu(np.zeros(S, np.uint32)), i32(steps))
+    kernels.sample_tokens(None, out, gpuarray.to_gpu(logits), S, V, f32([p.temperature for p in params]),
+                          f32([p.top_p for p in params]), i32([p.top_k for p in params]), f32([p.min_p for p in params]),
+                          gpuarray.to_gpu(np.asarray(seeds, np.uint32)), gpuarray.to_gpu(np.zeros(S, np.uint32)), i32(steps))
     return out.get()
 
 
@@ -437,9 +412,8 @@ def test_penalties_match_the_cpu_sampler(kernels):
     entries = dict(row=[1] * len(seen) + [0], token=seen + [42], count=counts + [0], banned=[0] * len(seen) + [1])
     g = gpuarray.to_gpu(logits)
     f32 = lambda v: gpuarray.to_gpu(np.asarray(v, np.float32))  # noqa: E731
-    launch(kernels.apply_penalties, (1, 1), (256, 1, 1), g, np.int32(V), np.int32(len(seen) + 1),
-           i32(entries["row"]), i32(entries["token"]), i32(entries["count"]), i32(entries["banned"]),
-           f32([1.0, 1.3]), f32([0.0, 0.4]), f32([0.0, 0.2]))
+    kernels.apply_penalties(None, g, V, len(seen) + 1, i32(entries["row"]), i32(entries["token"]), i32(entries["count"]),
+                            i32(entries["banned"]), f32([1.0, 1.3]), f32([0.0, 0.4]), f32([0.0, 0.2]))
     got = g.get()
     assert np.allclose(got[1], apply_penalties(logits[1].astype(np.float64), params, prompt, output), atol=1e-5)
     assert got[0, 42] == -np.inf and np.array_equal(np.delete(got[0], 42), np.delete(logits[0], 42))

@@ -44,7 +44,7 @@ def llama(tmp_path_factory):
     bf16 = load(path, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
     fp32 = load(path, dtype=torch.float32).cuda().eval()
     ours = load_model(path)
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     engine = LLMEngine(ours, CudaBackend(ours.config, ours.model_weights()),
                        EngineConfig(num_kv_blocks=2048, max_num_seqs=64, max_num_batched_tokens=4096))
@@ -54,7 +54,7 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def invariant_engine(llama):
     """The same model with --batch-invariant."""
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     model = llama[1].model
     return LLMEngine(model, CudaBackend(model.config, model.model_weights(), batch_invariant=True),
@@ -123,6 +123,22 @@ def test_continuous_batch_equals_alone(invariant_engine):
     assert same == 64
 
 
+def test_a_prompt_prefilled_in_chunks_equals_one_prefill(invariant_engine):
+    """A 2,000-token prompt under a 512-token budget: its first three chunks sample
+    nothing, and must still fill the cache. With batch invariance a prompt token is
+    computed the same whatever its chunk, so the tokens are those of one prefill."""
+    from engine.backends.cuda.backend import CudaBackend
+
+    model = invariant_engine.model
+    chunked = LLMEngine(model, CudaBackend(model.config, model.model_weights(), batch_invariant=True),
+                        EngineConfig(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=512))
+    prompt = np.random.default_rng(5).integers(0, 128000, 2000).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    whole = tokens(run(invariant_engine, [invariant_engine.make_sequence("w", prompt, params)], check_blocks=False)["w"])
+    in_chunks = tokens(run(chunked, [chunked.make_sequence("c", prompt, params)], check_blocks=False)["c"])
+    assert in_chunks == whole
+
+
 def test_default_batch_stays_within_bfloat16_noise_of_alone(llama):
     """Without --batch-invariant a GEMM runs over the whole step, and cuBLAS picks its
     kernel by row count: a batched token may round differently from alone, no more.
@@ -150,7 +166,7 @@ def tokens_with_and_without_graphs(engine, batch_invariant: bool, prompts: list[
     """Each prompt greedy and sampled, by `engine` (CUDA graphs on) and by an engine
     without graphs, `max_num_seqs` at a time; checks that graphs replayed, with
     programmatic launches (cuda_graph.py)."""
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     model = engine.model
     eager = LLMEngine(model, CudaBackend(model.config, model.model_weights(), cuda_graphs=False, batch_invariant=batch_invariant),
@@ -214,7 +230,7 @@ def smollm2_shape(tmp_path_factory):
 
 
 def test_smollm2_shape_cuda_matches_numpy(smollm2_shape):
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
     from engine.backends.numpy_backend import NumpyBackend
 
     model = load_model(smollm2_shape)
@@ -234,7 +250,7 @@ def test_smollm2_shape_cuda_matches_numpy(smollm2_shape):
 # -- Qwen3, at Qwen3-0.6B's shape (q/k norms, head_dim 128 != hidden / heads) ---------
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     path = tmp_path_factory.mktemp("qwen3-0.6b-shape")
     make_model(path, QWEN3_06B, seed=0)

@@ -44,7 +44,7 @@ def test_compiles_for_sm90_without_spills(source, head_dim, group, build, tmp_pa
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed (CI and the development machines have it)")
 @pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
 def test_every_kernel_awaits_its_predecessor(source, tmp_path):
-    """CUDA graphs make the edges into our kernels programmatic (engine/backends/cuda_graph.py):
+    """CUDA graphs make the edges into our kernels programmatic (engine/backends/cuda/graph.py):
     that is safe only if each of them, as built for graphs, waits for the kernel before it
     (common.cuh); the build for eager launches has no such wait."""
     def ptx(*build: str) -> str:

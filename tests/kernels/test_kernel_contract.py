@@ -1,6 +1,6 @@
 """The host's side of each kernel agrees with cuda_src/: the argument types it prepares
-every launch with (Kernels.SIGNATURES) match the kernel's parameters, and the launch
-geometry mirrored in cuda_kernels.py matches the #defines. A mismatch would pass
+every launch with (SIGNATURES) match the kernel's parameters, and the launch
+geometry mirrored in engine/backends/cuda/kernels.py matches the #defines. A mismatch would pass
 pointers as ints or launch the wrong block size, which only a GPU run would show."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from engine.backends import cuda_kernels as ck
+from engine.backends.cuda import kernels as ck
 
-KERNELS = sorted(ck.Kernels.SIGNATURES.items())
+KERNELS = sorted(ck.SIGNATURES.items())
 
 
 def source(file: str) -> str:
@@ -55,7 +55,7 @@ def test_signature_matches_the_kernel(name, file, signature):
 def test_every_kernel_is_prepared():
     declared = {name for path in ck.CUDA_SRC.glob("*.cu")
                 for name in re.findall(r'extern "C" __global__ void\b[^;{(]*?\b(\w+)\s*\(', source(path.name))}
-    assert declared == set(ck.Kernels.SIGNATURES)
+    assert declared == set(ck.SIGNATURES)
 
 
 def test_launch_geometry_matches_the_sources():

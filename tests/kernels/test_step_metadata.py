@@ -1,4 +1,4 @@
-"""The GPU step's metadata (engine/backends/step_metadata.py) against a per-token loop."""
+"""The GPU step's metadata (engine/backends/cuda/step_metadata.py) against a per-token loop."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.backends.step_metadata import (
+from engine.backends.cuda.step_metadata import (
     FIELDS, GENERATED_TILE, PARTITION, PROMPT_TILE, SMALL_DECODE, SMALL_DECODE_PARTITION, StepShape, attention_partition,
     build_metadata, decode_shape, field_sizes, step_shape,
 )

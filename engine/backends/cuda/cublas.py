@@ -1,4 +1,6 @@
-"""A small typed binding to cuBLAS through ctypes: a handle on a stream, and GEMM.
+"""A small typed binding to cuBLAS through ctypes: a handle on a stream, and GEMM in
+the data types of the operands (DataType: bfloat16 and float32 today; cuBLAS also takes
+FP8 inputs with float32 compute).
 
 Weights are row-major [out, in], activations row-major [tokens, in]. cuBLAS is
 column-major, where a row-major [r, c] matrix reads as [c, r]; so Y = X W^T is asked
@@ -13,15 +15,22 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import enum
 import glob
 import os
 import sys
 from pathlib import Path
 
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
-CUDA_R_32F, CUDA_R_16BF = 0, 14
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
+
+
+class DataType(enum.IntEnum):
+    """cudaDataType_t of the operands cuBLAS multiplies (library_types.h)."""
+
+    F32 = 0
+    BF16 = 14
 
 
 class CublasError(RuntimeError):
@@ -69,13 +78,15 @@ class Cublas:
         if status != 0:
             raise CublasError(f"{what} failed with cuBLAS status {status}")
 
-    def linear(self, y: int, x: int, w: int, tokens: int, d_in: int, d_out: int, out_f32: bool = False) -> None:
-        """y[tokens, d_out] = x[tokens, d_in] @ w[d_out, d_in]^T; bf16 in, bf16 (or f32) out, f32 compute."""
+    def gemm(self, y: int, y_type: DataType, x: int, x_type: DataType, w: int, w_type: DataType, tokens: int, d_in: int,
+             d_out: int) -> None:
+        """y[tokens, d_out] = x[tokens, d_in] @ w[d_out, d_in]^T in float32 compute, each
+        operand of its type (all row-major, rows dense)."""
         self._check(self.lib.cublasGemmEx(
             self.handle, CUBLAS_OP_T, CUBLAS_OP_N, d_out, tokens, d_in,
-            ctypes.byref(self._one), ctypes.c_void_p(w), CUDA_R_16BF, d_in,
-            ctypes.c_void_p(x), CUDA_R_16BF, d_in,
-            ctypes.byref(self._zero), ctypes.c_void_p(y), CUDA_R_32F if out_f32 else CUDA_R_16BF, d_out,
+            ctypes.byref(self._one), ctypes.c_void_p(w), int(w_type), d_in,
+            ctypes.c_void_p(x), int(x_type), d_in,
+            ctypes.byref(self._zero), ctypes.c_void_p(y), int(y_type), d_out,
             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
         ), "cublasGemmEx")
 

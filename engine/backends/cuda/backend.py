@@ -1,0 +1,179 @@
+"""The CUDA backend: the device and its context, and the step protocol the engine
+drives (engine/backends/base.py). One step uploads its token metadata in one copy,
+runs the forward pass on one stream (forward.py, replayed as a CUDA graph where one
+fits: decode_graphs.py), samples on the GPU (sampler.py) and copies back only the
+chosen token ids. `launch` queues all of it and returns, so that the engine's host
+work overlaps the GPU's; up to two steps are in flight."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import numpy as np
+import pycuda.driver as cuda
+import pycuda.gpuarray as gpuarray
+from pycuda.tools import DeviceMemoryPool
+
+from engine.backends.base import MAX_STEPS_IN_FLIGHT, Wait
+from engine.backends.cuda.buffers import KvCache, StepBuffers
+from engine.backends.cuda.cublas import Cublas, CublasError
+from engine.backends.cuda.decode_graphs import DecodeGraphs
+from engine.backends.cuda.forward import ForwardPass
+from engine.backends.cuda.kernels import MAX_PART_BLOCKS, Kernels, prefill_query_rows
+from engine.backends.cuda.linear import Linear
+from engine.backends.cuda.sampler import GpuSampler
+from engine.backends.cuda.step_metadata import PARTITION, SMALL_DECODE, StepShape, build_metadata, step_shape
+from engine.backends.cuda.weights import DeviceWeights
+from engine.config import ModelConfig
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+from engine.weights import ModelWeights
+
+log = logging.getLogger("llamastream.engine")
+WORKSPACE_BYTES = 32 * 2**20
+ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: int = 0, cuda_graphs: bool = True,
+                 graph_max_batch: int = 256, graph_max_context: int = 4096, batch_invariant: bool = False):
+        if config.head_dim not in (64, 128) or config.num_heads // config.num_kv_heads > 8:
+            raise ValueError("the CUDA attention kernels need head_dim 64 or 128 and at most 8 heads per KV head")
+        if config.hidden_size % 8 or config.intermediate_size % 8:
+            raise ValueError("the CUDA kernels need hidden and intermediate sizes that are multiples of 8")
+        self.config = config
+        self.batch_invariant = batch_invariant  # GEMMs in fixed tiles: see step_metadata
+        cuda.init()
+        self.device = cuda.Device(device)
+        self.ctx = self.device.retain_primary_context()
+        with self._context():
+            major, minor = self.device.compute_capability()
+            sm_count = self.device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+            group = config.num_heads // config.num_kv_heads
+            self.kernel_build = (config.head_dim, group, f"sm_{major}{minor}", sm_count)  # Kernels' arguments
+            self.kernels = Kernels(*self.kernel_build)
+            self.query_rows = prefill_query_rows(group)
+            self.stream = cuda.Stream()
+            self.pool = DeviceMemoryPool()
+            self.workspace = cuda.mem_alloc(WORKSPACE_BYTES)
+            self.blas = Cublas(self.stream.handle, int(self.workspace), WORKSPACE_BYTES)
+            self.linear = Linear(self.blas, self.stream)
+            self.weights = DeviceWeights.upload(weights)
+            # cos and sin of every RoPE angle the model meets (vLLM's cos_sin_cache): a
+            # position's row is read by every layer, with nothing to compute
+            self.cos_sin = gpuarray.empty((config.max_position_embeddings, config.head_dim // 2, 2), np.float32)
+            self.kernels.rope_cos_sin(self.stream, self.cos_sin, gpuarray.to_gpu(config.rope_inv_freq()),
+                                      config.max_position_embeddings)
+            self.sampler = GpuSampler(self.kernels, self.stream, config.vocab_size, self.pool.allocate)
+            self.stream.synchronize()
+        log.info("CUDA backend on %s: %.2f GB of bfloat16 weights", self.device.name(), self.weights.nbytes / 1e9)
+        self._graph_settings = (cuda_graphs, graph_max_batch, graph_max_context)
+        self.cache: KvCache | None = None
+        self.forward_pass: ForwardPass | None = None
+        self.graphs: DecodeGraphs | None = None
+        self._previous_samples: dict[Sequence, int] = {}  # where the last step's tokens sit in `sampled`
+
+    @contextlib.contextmanager
+    def _context(self):
+        """Make our context current on the calling thread (the engine thread, in serving)."""
+        self.ctx.push()
+        try:
+            yield
+        finally:
+            cuda.Context.pop()
+
+    # -- the KV cache -------------------------------------------------------------
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return KvCache.bytes_per_block(self.config, block_size)
+
+    def blocks_for_memory_fraction(self, fraction: float, block_size: int) -> int:
+        """KV blocks that fit while the process stays under `fraction` of the GPU's memory."""
+        with self._context():
+            free, total = cuda.mem_get_info()
+        budget = free - (1.0 - fraction) * total - ACTIVATION_RESERVE_BYTES
+        return max(0, int(budget // self.kv_cache_bytes_per_block(block_size)))
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
+        """The cache, and the CUDA graphs for decode steps of up to `max_batch` sequences."""
+        if PARTITION // block_size + 2 > MAX_PART_BLOCKS:
+            raise ValueError(f"block size {block_size} is too small for the attention kernel: use at least "
+                             f"{-(-PARTITION // (MAX_PART_BLOCKS - 2))}")
+        c = self.config
+        with self._context():
+            self.cache = KvCache(c, num_blocks, block_size)
+            # A step samples at most one token per sequence, and each holds a block. The
+            # device buffer stays put (graphs read it). Each step in flight has its own
+            # host buffer and end event, so that a step's copy never lands on tokens not
+            # read yet, and waiting for a step waits for it alone.
+            self.sampled = gpuarray.empty(num_blocks, np.int32)
+            self._step_slots = [(cuda.pagelocked_empty(num_blocks, np.int32), cuda.Event())
+                                for _ in range(MAX_STEPS_IN_FLIGHT)]
+            arrivals = gpuarray.zeros((SMALL_DECODE, c.num_kv_heads), np.int32)  # a row per token of a small decode step
+            self.forward_pass = ForwardPass(c, self.weights, self.cache, self.linear, self.cos_sin, self.sampled,
+                                            arrivals, self.stream)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, block_size,
+                 num_blocks * block_size, num_blocks * self.kv_cache_bytes_per_block(block_size) / 1e9)
+        enabled, graph_max_batch, max_context = self._graph_settings
+        if enabled:
+            with self._context():  # (compiles the kernels' build for graphs and captures them)
+                self.graphs = DecodeGraphs(self.forward_pass, Kernels(*self.kernel_build, programmatic=True),
+                                           self._metadata, min(graph_max_batch, max_batch), max_context,
+                                           self.batch_invariant)
+
+    def is_fatal(self, error: BaseException) -> bool:
+        """A driver or cuBLAS error may leave the context unusable: stop serving."""
+        return isinstance(error, (cuda.Error, CublasError))
+
+    # -- one step -----------------------------------------------------------------
+    def _metadata(self, batch: list[ScheduledSeq], shape: StepShape) -> np.ndarray:
+        return build_metadata(batch, shape, self.cache.block_size, self.cache.dummy_block, self.query_rows,
+                              self._previous_samples)
+
+    def _forward(self, batch: list[ScheduledSeq]) -> gpuarray.GPUArray:
+        """Run the step's tokens; return float32 logits [sampling sequences, vocab] on the GPU."""
+        graph = self.graphs.for_batch(batch) if self.graphs else None
+        if graph is not None:
+            shape, buffers, replay = graph
+            buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
+            replay.launch()
+            return buffers.logits[: len(batch)]
+        shape = step_shape(batch, self.query_rows, self.batch_invariant)
+        buffers = StepBuffers(self.config, shape, lambda dims, dtype: gpuarray.empty(dims, dtype, allocator=self.pool.allocate))
+        buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
+        self.forward_pass.queue(buffers, shape, self.kernels)
+        # (buffers go back to the pool when dropped: later work on this one stream is
+        # ordered after the kernels that use them)
+        return buffers.logits[: shape.samples]
+
+    def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
+        """Logits of the sampling sequences, on the host (for tests and logprobs)."""
+        with self._context():
+            logits = self._forward(batch).get(stream=self.stream)
+            self.stream.synchronize()
+        return logits
+
+    def execute(self, batch: list[ScheduledSeq]):
+        return self.launch(batch)()
+
+    def launch(self, batch: list[ScheduledSeq]) -> Wait:
+        """Queue the step (forward pass, sampling, the copy of the chosen tokens to the
+        host) and return at once; the returned function waits for its samples. Pending
+        tokens of the batch are read from the previous step's samples on the device."""
+        sampling = [s.seq for s in batch if s.samples]
+        self._step_slots.append(self._step_slots.pop(0))
+        tokens_host, done = self._step_slots[0]
+        with self._context():
+            logits = self._forward(batch)
+            collect = self.sampler.sample(logits, sampling, self.sampled, tokens_host) if sampling else list
+            done.record(self.stream)
+        self._previous_samples = {seq: i for i, seq in enumerate(sampling)}
+
+        def wait():
+            with self._context():
+                done.synchronize()  # (without the GIL: the server's threads run meanwhile)
+                outputs = iter(collect())
+            return [next(outputs) if s.samples else None for s in batch]
+        return wait

@@ -1,0 +1,263 @@
+"""The kernels of cuda_src/ as the host sees them: compiled for the device, each with
+one launcher that names its arguments and computes its own grid and block.
+
+The launch geometry that must agree with the .cu files is kept here as constants (each
+says where its twin is; tests/kernels/test_kernel_contract.py checks them, and the
+argument types, against the sources). Imports without PyCUDA, for those tests.
+
+Pointer arguments take a GPUArray, a device allocation, an address or None (a null
+pointer); `stream` is a PyCUDA Stream, or None for the default stream.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CUDA_SRC = Path(__file__).resolve().parents[3] / "cuda_src"
+ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
+PREFILL_THREADS, PREFILL_M_TILE = 128, 64  # as in attention.cu
+MAX_PART_BLOCKS = 256  # as in attention.cu
+GEMV_WARPS = 8  # as in gemv.cu
+GEMV_SLICE = 2048  # columns of one warp's loads (SPAN * UNROLL in gemv.cu)
+SAMPLE_CLUSTER, SAMPLE_THREADS = 8, 1024  # blocks a row and threads a block of sample_tokens (sampling.cu)
+STAGED_INPUT_BYTES = 47 * 1024  # gemv.cu's staged input: 48 KB a block takes without opting in, less its static shared memory
+ROW_THREADS = 256  # the block of the row-wise kernels (embedding, add_rmsnorm, silu_and_mul, apply_penalties)
+
+SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i int, f float)
+    "embedding_gather": ("embedding.cu", "PPPPi"),
+    "add_rmsnorm": ("rmsnorm.cu", "PPPPPif"),
+    "head_rmsnorm": ("rmsnorm.cu", "PPPiif"),
+    "rope_cos_sin": ("rope_cache.cu", "PPi"),
+    "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
+    "paged_attention_partial": ("attention.cu", "PPPPPPPPPiPPiiiif"),
+    "paged_attention_merge": ("attention.cu", "PPPPPii"),
+    "prefill_attention_partial": ("attention.cu", "PPPPPPPiPPPiiiif"),
+    "silu_and_mul": ("activation.cu", "PPi"),
+    "gemv": ("gemv.cu", "PiPPii"),
+    "gemv_add": ("gemv.cu", "PPPii"),
+    "gemv_rmsnorm_rope": ("gemv.cu", "PPPfPPPPPPiiiii"),
+    "gemv_rmsnorm_silu": ("gemv.cu", "PPPfPii"),
+    "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
+    "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
+}
+_NULL = np.uintp(0)
+
+
+def ptr(a: Any) -> np.uintp:
+    """A pointer argument from a GPUArray, an allocation, an address or None."""
+    if a is None:
+        return _NULL
+    if isinstance(a, np.uintp):
+        return a
+    return np.uintp(int(a.gpudata) if hasattr(a, "gpudata") else int(a))
+
+
+def prefill_query_rows(group: int) -> int:
+    """Query positions per prefill_attention block (Q_POS in attention.cu)."""
+    return PREFILL_M_TILE // group
+
+
+def rope_and_cache_threads(heads: int, kv_heads: int, head_dim: int) -> int:
+    """rope_and_cache's block: a thread per rotated pair of q and k, at most 1024 (it loops)."""
+    return min(1024, (heads + kv_heads) * head_dim // 2)
+
+
+def blocks_per_sm(registers: int, threads: int) -> int:
+    """Blocks of a kernel an SM holds at once as its registers allow (64K an SM,
+    allocated 8 a thread at a time; 2,048 threads an SM)."""
+    regs = -(-registers // 8) * 8
+    return max(1, min(65536 // (regs * threads), 2048 // threads))
+
+
+def gemv_split(d_in: int) -> int:
+    """Warps a gemv.cu weight row is split over (gemv_split there): a power of two,
+    each slice at least GEMV_SLICE columns."""
+    split = 1
+    while split < GEMV_WARPS and d_in >= 2 * split * GEMV_SLICE:
+        split *= 2
+    return split
+
+
+@dataclass(frozen=True)
+class PagedAttention:
+    """What the attention kernels of one step read and write besides a layer's cache
+    (attention.cu): per-partition partial results, the fused projection with q rotated,
+    and the step's metadata."""
+
+    part_acc: Any  # float32 [tokens, heads, partitions, head_dim]
+    part_max: Any  # float32 [tokens, heads, partitions]
+    part_sum: Any
+    qkv: Any
+    block_tables: Any  # int32 [seqs, max_blocks]
+    max_blocks: int
+    token_seq: Any  # int32 [tokens]: the block-table row of each token
+    positions: Any  # int32 [tokens]
+    heads: int
+    kv_heads: int
+    block_size: int
+    partition: int  # context positions per partition
+    partitions: int
+    scale: float
+
+    def inputs(self, k_cache, v_cache) -> tuple:
+        """The partial kernels' arguments from part_acc to positions, over a layer's cache."""
+        return (*self.results, self._qkv, ptr(k_cache), ptr(v_cache), *self._table)
+
+    @functools.cached_property
+    def results(self) -> tuple:
+        """Pointers to part_acc, part_max and part_sum."""
+        return ptr(self.part_acc), ptr(self.part_max), ptr(self.part_sum)
+
+    @functools.cached_property
+    def _qkv(self) -> np.uintp:
+        return ptr(self.qkv)
+
+    @functools.cached_property
+    def _table(self) -> tuple:
+        return ptr(self.block_tables), np.int32(self.max_blocks), ptr(self.token_seq), ptr(self.positions)
+
+    @functools.cached_property
+    def sizes(self) -> tuple:
+        return (np.int32(self.heads), np.int32(self.kv_heads), np.int32(self.block_size), np.int32(self.partition),
+                np.float32(self.scale))
+
+
+class Kernels:
+    """The kernels of cuda_src/, compiled for this device (HEAD_DIM and GROUP are
+    compile-time constants), each launched by the method of its name. `programmatic`
+    builds them to await their predecessor in-kernel (common.cuh), for CUDA graphs whose
+    edges into them are programmatic; eager launches take the plain build. `functions`
+    holds the prepared PyCUDA functions, by name (benchmarks wrap them to time launches)."""
+
+    def __init__(self, head_dim: int, group: int, arch: str, sm_count: int, programmatic: bool = False):
+        from pycuda.compiler import SourceModule
+
+        self.head_dim, self.sm_count = head_dim, sm_count
+        modules, self.functions, self._resident = {}, {}, {}
+        options = ["-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"] + (["-DPROGRAMMATIC_LAUNCH"] if programmatic else [])
+        for name, (file, signature) in SIGNATURES.items():
+            if file not in modules:
+                modules[file] = SourceModule((CUDA_SRC / file).read_text(), no_extern_c=True, arch=arch, options=options,
+                                             include_dirs=[str(CUDA_SRC)])
+            fn = modules[file].get_function(name)
+            fn.prepare(signature)
+            self.functions[name] = fn
+            # (PyCUDA asks the driver at every read of num_regs: the GEMVs' grids need it every launch)
+            self._resident[name] = sm_count * blocks_per_sm(fn.num_regs, 32 * GEMV_WARPS)
+
+    # -- embedding.cu -------------------------------------------------------------------
+    def embedding_gather(self, stream, residual, table, ids, sampled, tokens: int, hidden: int) -> None:
+        """residual[t] = table[ids[t]] in float32; ids[t] = -(i + 1) names sampled[i]."""
+        self.functions["embedding_gather"].prepared_async_call(
+            (tokens, 1), (ROW_THREADS, 1, 1), stream, ptr(residual), ptr(table), ptr(ids), ptr(sampled), np.int32(hidden))
+
+    # -- rmsnorm.cu ---------------------------------------------------------------------
+    def add_rmsnorm(self, stream, residual, delta, weight, out, rows, num_rows: int, hidden: int, eps: float) -> None:
+        """residual[r] += delta[r] (unless delta is None), then out[i] = RMSNorm(residual[r])
+        for each r = rows[i] of the num_rows listed."""
+        self.functions["add_rmsnorm"].prepared_async_call(
+            (num_rows, 1), (ROW_THREADS, 1, 1), stream, ptr(residual), ptr(delta), ptr(weight), ptr(out), ptr(rows),
+            np.int32(hidden), np.float32(eps))
+
+    def head_rmsnorm(self, stream, qkv, q_weight, k_weight, tokens: int, heads: int, kv_heads: int, eps: float) -> None:
+        """Each query and key head of the fused projection RMS-normalised in place (Qwen3)."""
+        self.functions["head_rmsnorm"].prepared_async_call(
+            (tokens, heads + kv_heads), (32, 1, 1), stream, ptr(qkv), ptr(q_weight), ptr(k_weight), np.int32(heads),
+            np.int32(kv_heads), np.float32(eps))
+
+    # -- rope_cache.cu ------------------------------------------------------------------
+    def rope_cos_sin(self, stream, table, inv_freq, positions: int) -> None:
+        """table[p, i] = (cos, sin) of p * inv_freq[i], for p < positions."""
+        half = self.head_dim // 2
+        self.functions["rope_cos_sin"].prepared_async_call((positions, 1), (half, 1, 1), stream, ptr(table), ptr(inv_freq),
+                                                           np.int32(half))
+
+    def rope_and_cache(self, stream, qkv, k_cache, v_cache, positions, slots, cos_sin, tokens: int, heads: int,
+                       kv_heads: int) -> None:
+        """q rotated in place; rotated k and plain v written to cache slot slots[t]."""
+        threads = rope_and_cache_threads(heads, kv_heads, self.head_dim)
+        self.functions["rope_and_cache"].prepared_async_call(
+            (tokens, 1), (threads, 1, 1), stream, ptr(qkv), ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots),
+            ptr(cos_sin), np.int32(heads), np.int32(kv_heads), np.int32(self.head_dim))
+
+    # -- attention.cu -------------------------------------------------------------------
+    def paged_attention_partial(self, stream, out, arrivals, attention: PagedAttention, k_cache, v_cache,
+                                rows: int) -> None:
+        """Decode attention of the step's first `rows` tokens over a layer's cache, a block
+        per (token, KV head, partition), into the partial results; with `arrivals` (zeros,
+        [rows, kv_heads]) the last block of each (token, KV head) merges them into out itself."""
+        self.functions["paged_attention_partial"].prepared_async_call(
+            (rows, attention.kv_heads, attention.partitions), (ATTENTION_THREADS, 1, 1), stream, ptr(out), ptr(arrivals),
+            *attention.inputs(k_cache, v_cache), *attention.sizes)
+
+    def prefill_attention_partial(self, stream, attention: PagedAttention, k_cache, v_cache, tiles, num_tiles: int) -> None:
+        """Prompt attention over a layer's cache by query tiles ((first row, rows) pairs in
+        `tiles`), a block per (tile, KV head, partition), into the partial results."""
+        self.functions["prefill_attention_partial"].prepared_async_call(
+            (num_tiles, attention.kv_heads, attention.partitions), (PREFILL_THREADS, 1, 1), stream,
+            *attention.inputs(k_cache, v_cache), ptr(tiles), *attention.sizes)
+
+    def paged_attention_merge(self, stream, out, attention: PagedAttention, tokens: int) -> None:
+        """out[t, h] = the partial results of the partitions token t's context spans, merged."""
+        a = attention
+        self.functions["paged_attention_merge"].prepared_async_call(
+            (tokens, a.heads), (self.head_dim, 1, 1), stream, ptr(out), *a.results, ptr(a.positions),
+            np.int32(a.partition), np.int32(a.partitions))
+
+    # -- activation.cu ------------------------------------------------------------------
+    def silu_and_mul(self, stream, out, gate_up, tokens: int, inter: int) -> None:
+        """out = silu(gate) * up for gate_up = [gate | up]."""
+        self.functions["silu_and_mul"].prepared_async_call(
+            (-(-inter // (8 * ROW_THREADS)), tokens), (ROW_THREADS, 1, 1), stream, ptr(out), ptr(gate_up), np.int32(inter))
+
+    # -- gemv.cu: one token's products, as many blocks as are resident at once ----------
+    def _gemv(self, name: str, stream, d_in: int, d_out: int, staged_bytes: int, blocks: int | None, *args) -> None:
+        """Each block's warps take weight rows in turn; `blocks` overrides the grid (tests)."""
+        if blocks is None:
+            blocks = min(-(-d_out // (GEMV_WARPS // gemv_split(d_in))), self._resident[name])
+        self.functions[name].prepared_async_call((blocks, 1), (32 * GEMV_WARPS, 1, 1), stream, *args, np.int32(d_in),
+                                                 np.int32(d_out), shared_size=staged_bytes)
+
+    def gemv(self, stream, y, x, w, d_in: int, d_out: int, out_f32: bool = False, blocks: int | None = None) -> None:
+        """y = x @ w^T for one row x (y float32 if out_f32, else bfloat16)."""
+        self._gemv("gemv", stream, d_in, d_out, 0, blocks, ptr(y), np.int32(out_f32), ptr(x), ptr(w))
+
+    def gemv_add(self, stream, residual, x, w, d_in: int, d_out: int, blocks: int | None = None) -> None:
+        """residual += x @ w^T for one row x."""
+        self._gemv("gemv_add", stream, d_in, d_out, 0, blocks, ptr(residual), ptr(x), ptr(w))
+
+    def gemv_rmsnorm_rope(self, stream, qkv, residual, norm_weight, eps: float, w, k_cache, v_cache, positions, slots,
+                          cos_sin, heads: int, kv_heads: int, hidden: int, blocks: int | None = None) -> None:
+        """qkv = RMSNorm(residual) @ w^T, then rope_and_cache's work on it."""
+        width = (heads + 2 * kv_heads) * self.head_dim
+        self._gemv("gemv_rmsnorm_rope", stream, hidden, width // 2, 2 * hidden, blocks, ptr(qkv), ptr(residual),
+                   ptr(norm_weight), np.float32(eps), ptr(w), ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots),
+                   ptr(cos_sin), np.int32(heads), np.int32(kv_heads), np.int32(self.head_dim))
+
+    def gemv_rmsnorm_silu(self, stream, act, residual, norm_weight, eps: float, w, hidden: int, inter: int,
+                          blocks: int | None = None) -> None:
+        """act = silu_and_mul(RMSNorm(residual) @ w^T), w = [gate | up] of 2 * inter rows."""
+        self._gemv("gemv_rmsnorm_silu", stream, hidden, inter, 2 * hidden, blocks, ptr(act), ptr(residual),
+                   ptr(norm_weight), np.float32(eps), ptr(w))
+
+    # -- sampling.cu --------------------------------------------------------------------
+    def apply_penalties(self, stream, logits, vocab: int, entries: int, entry_row, entry_token, entry_count, entry_banned,
+                        repetition, presence, frequency) -> None:
+        """Repetition, presence and frequency penalties and bans, one thread per listed
+        (row, token) entry; the penalties per row."""
+        self.functions["apply_penalties"].prepared_async_call(
+            (-(-entries // ROW_THREADS), 1), (ROW_THREADS, 1, 1), stream, ptr(logits), np.int32(vocab), np.int32(entries),
+            ptr(entry_row), ptr(entry_token), ptr(entry_count), ptr(entry_banned), ptr(repetition), ptr(presence),
+            ptr(frequency))
+
+    def sample_tokens(self, stream, out, logits, rows: int, vocab: int, temperature, top_p, top_k, min_p, seed_lo, seed_hi,
+                      step) -> None:
+        """out[r] = a token drawn from row r (greedy at temperature 0), a cluster of blocks a row."""
+        self.functions["sample_tokens"].prepared_async_call(
+            (SAMPLE_CLUSTER, rows), (SAMPLE_THREADS, 1, 1), stream, ptr(out), ptr(logits), np.int32(vocab),
+            ptr(temperature), ptr(top_p), ptr(top_k), ptr(min_p), ptr(seed_lo), ptr(seed_hi), ptr(step))

@@ -1,0 +1,86 @@
+"""Sampling on the GPU (sampling.cu): penalties and bans applied to the logits in place,
+then one token drawn per row into `sampled`, of which only the token ids are copied to
+the host. Logprobs, where asked for, describe the raw distribution: those rows are read
+before the penalties."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pycuda.driver as cuda
+import pycuda.gpuarray as gpuarray
+
+from engine.backends.cuda.kernels import Kernels
+from engine.sampler import SampleOutput, TokenLogprob, log_softmax
+from engine.sequence import Sequence
+
+
+class GpuSampler:
+    def __init__(self, kernels: Kernels, stream, vocab_size: int, allocate):
+        self.kernels, self.stream, self.vocab_size, self.allocate = kernels, stream, vocab_size, allocate
+
+    def sample(self, logits: gpuarray.GPUArray, seqs: list[Sequence], sampled: gpuarray.GPUArray,
+               tokens_host: np.ndarray) -> Callable[[], list[SampleOutput]]:
+        """Queue sampling into `sampled` and the copy of the tokens to `tokens_host`;
+        return what reads them once the stream has got that far."""
+        st, S = self.stream, len(seqs)
+        raw = {}
+        wants = [i for i, q in enumerate(seqs) if q.params.top_logprobs is not None]
+        if wants:
+            host = logits.get(stream=st)
+            st.synchronize()
+            raw = {i: log_softmax(host[i].astype(np.float64)) for i in wants}
+        self._apply_penalties(logits, seqs)
+        p = [q.params for q in seqs]
+        fields = self._upload(np.stack([  # one upload: the kernel's seven per-request arrays, row by row
+            np.array([x.temperature for x in p], np.float32).view(np.int32),
+            np.array([x.top_p for x in p], np.float32).view(np.int32),
+            np.array([x.top_k for x in p], np.int32),
+            np.array([x.min_p for x in p], np.float32).view(np.int32),
+            np.array([q.seed & 0xFFFFFFFF for q in seqs], np.uint32).view(np.int32),
+            np.array([(q.seed >> 32) & 0xFFFFFFFF for q in seqs], np.uint32).view(np.int32),
+            np.array([q.num_generated for q in seqs], np.int32),
+        ]), np.int32)
+        rows = [int(fields.gpudata) + 4 * S * i for i in range(7)]
+        self.kernels.sample_tokens(st, sampled, logits, S, self.vocab_size, *rows)
+        tokens = tokens_host[:S]
+        cuda.memcpy_dtoh_async(tokens, sampled.gpudata, st)
+
+        def collect() -> list[SampleOutput]:
+            results = []
+            for i, (q, t) in enumerate(zip(seqs, tokens.tolist())):
+                lp = None
+                if i in raw:
+                    top = np.argsort(-raw[i], kind="stable")[: q.params.top_logprobs]
+                    lp = TokenLogprob(t, float(raw[i][t]), [(int(j), float(raw[i][j])) for j in top])
+                results.append(SampleOutput(t, lp))
+            return results
+        return collect
+
+    def _upload(self, values, dtype) -> gpuarray.GPUArray:
+        """A small host array to the device, queued on the stream, from the memory pool."""
+        return gpuarray.to_gpu_async(np.asarray(values, dtype=dtype), allocator=self.allocate, stream=self.stream)
+
+    def _apply_penalties(self, logits: gpuarray.GPUArray, seqs: list[Sequence]) -> None:
+        """An entry per (row, token) to penalise or ban: the prompt's and output's tokens
+        of rows with penalties, the banned tokens of every row."""
+        rows, toks, counts, banned = [], [], [], []
+        for i, q in enumerate(seqs):
+            pp = q.params
+            ban = set(q.banned_token_ids())  # one entry per token: two would race
+            if pp.has_penalties:
+                seen = np.unique(np.asarray(q.prompt_ids + q.output_ids))
+                out_ids, out_counts = np.unique(np.asarray(q.output_ids, dtype=np.int64), return_counts=True)
+                count = dict(zip(out_ids.tolist(), out_counts.tolist()))
+                for t in seen.tolist():
+                    if t not in ban:
+                        rows.append(i); toks.append(t); counts.append(count.get(t, 0)); banned.append(0)
+            for t in ban:
+                rows.append(i); toks.append(t); counts.append(0); banned.append(1)
+        if not rows:
+            return
+        entries = [self._upload(a, np.int32) for a in (rows, toks, counts, banned)]
+        penalties = [self._upload([getattr(q.params, name) for q in seqs], np.float32)
+                     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
+        self.kernels.apply_penalties(self.stream, logits, self.vocab_size, len(rows), *entries, *penalties)

@@ -1,0 +1,97 @@
+"""The CUDA backend's host side, run on a recording stand-in for PyCUDA (no GPU): every
+launch of every kind of step matches its kernel's argument types and launch limits,
+each step launches what it must, and the single-token fusions are where the
+architecture's ops allow them. What the kernels compute is tested on a GPU (tests/gpu)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model_loader import LoadedModel
+from engine.sampling_params import SamplingParams
+from engine.weights import Tensor
+from tests.kernels.recording_pycuda import recording_pycuda
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def cuda_shaped(model: LoadedModel) -> LoadedModel:
+    """The tiny model with the head size the CUDA kernels take (64), random weights."""
+    c = dataclasses.replace(model.config, head_dim=64, num_heads=4, num_kv_heads=2)
+    shapes = model.architecture.tensor_shapes(c)
+    rng = np.random.default_rng(0)
+    weights = {name: Tensor.of(rng.standard_normal(shape).astype(np.float32) * 0.1) for name, shape in shapes.items()}
+    return LoadedModel(model.name, c, weights, model.tokenizer)
+
+
+@pytest.fixture(params=["tiny_model", "tiny_qwen3"])
+def model(request) -> LoadedModel:
+    return cuda_shaped(request.getfixturevalue(request.param))
+
+
+def engine_steps(model: LoadedModel, requests: list[tuple[list[int], dict]], **backend) -> list[list]:
+    """The launches of each engine step, until the requests finish."""
+    with recording_pycuda() as launches:
+        from engine.backends.cuda.backend import CudaBackend
+
+        engine = LLMEngine(model, CudaBackend(model.config, model.model_weights(), graph_max_batch=16, **backend),
+                           EngineConfig(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=256))
+        for i, (prompt, params) in enumerate(requests):
+            engine.add(engine.make_sequence(f"r{i}", prompt, SamplingParams(**params)))
+        steps = []
+        while engine.has_work():
+            launches.clear()
+            engine.step()
+            steps.append(list(launches))
+    return steps
+
+
+MIXED = [
+    (list(range(1, 300)), dict(GREEDY, max_tokens=6)),  # chunked
+    (list(range(5, 9)), dict(GREEDY, max_tokens=6, repetition_penalty=1.2)),
+    (list(range(7, 20)), dict(GREEDY, max_tokens=6, top_logprobs=2)),
+    ([3], dict(temperature=0.8, max_tokens=4, seed=3, ignore_eos=True)),
+]
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
+def test_every_launch_matches_its_kernel(model, graphs, invariant):
+    """(the stand-in checks each launch's arguments against the prepared signature, and
+    its grid, block and shared memory against the device's limits)"""
+    steps = engine_steps(model, MIXED, cuda_graphs=graphs, batch_invariant=invariant)
+    assert len(steps) >= 6 and all(steps)
+    replays = sum(launch.kernel == "cuGraphLaunch" for step in steps for launch in step)
+    assert (replays > 0) == graphs
+
+
+def test_a_step_that_samples_nothing_still_runs_the_model(model):
+    """The first chunks of a prompt longer than the token budget sample no token, but
+    must write the prompt's keys and values to the cache."""
+    steps = engine_steps(model, [([i % 500 for i in range(600)], dict(GREEDY, max_tokens=2))], cuda_graphs=False)
+    chunks = steps[:2]  # 256 + 256 of 600 tokens
+    for step in chunks:
+        kernels = Counter(launch.kernel for launch in step)
+        assert kernels["embedding_gather"] == 1 and kernels["prefill_attention_partial"] == model.config.num_layers
+        assert "sample_tokens" not in kernels
+    assert Counter(launch.kernel for launch in steps[2])["sample_tokens"] == 1
+
+
+def test_single_token_steps_fuse_where_the_layer_allows(model):
+    """A decode step of one row: Llama's norm, QKV GEMV and RoPE are one kernel; Qwen3's
+    head norm sits between the GEMV and RoPE, so there they stay apart. Both fuse the
+    MLP's norm, GEMV and SiLU, and the residual adds; no cuBLAS."""
+    steps = engine_steps(model, [(list(range(1, 20)), dict(GREEDY, max_tokens=3))], cuda_graphs=False)
+    decode = Counter(launch.kernel for launch in steps[1])
+    layers = model.config.num_layers
+    assert decode["gemv_rmsnorm_silu"] == layers and decode["gemv_add"] == 2 * layers
+    assert "cublasGemmEx" not in decode
+    if model.architecture.name == "qwen3":
+        assert decode["head_rmsnorm"] == decode["rope_and_cache"] == layers and "gemv_rmsnorm_rope" not in decode
+    else:
+        assert decode["gemv_rmsnorm_rope"] == layers and "rope_and_cache" not in decode
