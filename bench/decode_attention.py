@@ -6,11 +6,11 @@ bandwidth floor, at the Llama 3.2 1B shape (32 query heads, 8 KV heads, head_dim
 and 128-position partitions (and 64 and 1024 for comparison: at small batches shorter
 partitions give more blocks and shorter chains of loads).
 
-    python bench/decode_attention.py [--source FILE]   # on a machine with an NVIDIA GPU
+    python bench/decode_attention.py [--sources DIR]   # on a machine with an NVIDIA GPU
 
---source compiles another version of cuda_src/attention.cu with the same signatures
-(since the decode kernel took `out` and `arrivals`), e.g. an earlier commit's:
-`git show COMMIT:cuda_src/attention.cu > /tmp/old.cu`.
+--sources compiles another version of cuda_src/ whose kernels take the arguments the
+launchers of engine/backends/cuda/kernels.py pass, e.g. an earlier commit's:
+`mkdir /tmp/old && git archive COMMIT cuda_src | tar -x -C /tmp/old`, then `--sources /tmp/old/cuda_src`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pycuda.compiler import SourceModule
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engine.backends.cuda.kernels import CUDA_SRC, Kernels, PagedAttention  # noqa: E402
 from engine.weights import f32_to_bf16_bits  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16
@@ -64,21 +65,19 @@ def inputs(contexts: list[int], rng: np.random.Generator) -> dict:
     }
 
 
-def time_attention(fns, spin, x: dict, partition: int, merge_in_kernel: bool) -> float:
+def time_attention(kernels: Kernels, spin, x: dict, partition: int, merge_in_kernel: bool) -> float:
     """Mean GPU time of one step's decode attention, in seconds (the launches queued
     behind `spin`)."""
-    partial, merge = fns
     P, T = math.ceil(x["longest"] / partition), x["tokens"]
     acc, m, s = (gpuarray.empty(shape, np.float32) for shape in ((T, HEADS, P, HEAD_DIM), (T, HEADS, P), (T, HEADS, P)))
     out, arrivals = gpuarray.empty((T, HEADS * HEAD_DIM), np.uint16), gpuarray.zeros((T, KV_HEADS), np.int32)
-    args = (out, arrivals if merge_in_kernel else np.uintp(0), acc, m, s, x["qkv"], x["k"], x["v"], x["tables"],
-            np.int32(x["max_blocks"]), x["token_seq"], x["positions"],
-            np.int32(HEADS), np.int32(KV_HEADS), np.int32(BLOCK), np.int32(partition), np.float32(HEAD_DIM ** -0.5))
+    attention = PagedAttention(acc, m, s, x["qkv"], x["tables"], x["max_blocks"], x["token_seq"], x["positions"], HEADS,
+                               KV_HEADS, BLOCK, partition, P, HEAD_DIM ** -0.5)
 
     def launch() -> None:
-        partial(*args, block=(128, 1, 1), grid=(T, KV_HEADS, P))
+        kernels.paged_attention_partial(None, out, arrivals if merge_in_kernel else None, attention, x["k"], x["v"], T)
         if not merge_in_kernel:
-            merge(out, acc, m, s, x["positions"], np.int32(partition), np.int32(P), block=(HEAD_DIM, 1, 1), grid=(T, HEADS))
+            kernels.paged_attention_merge(None, out, attention, T)
     for _ in range(3):
         launch()
     start, end = cuda.Event(), cuda.Event()
@@ -93,15 +92,15 @@ def time_attention(fns, spin, x: dict, partition: int, merge_in_kernel: bool) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--source", type=Path, default=ROOT / "cuda_src" / "attention.cu")
+    ap.add_argument("--sources", type=Path, default=CUDA_SRC, help="a cuda_src/ folder (default: this checkout's)")
     args = ap.parse_args()
-    major, minor = cuda.Context.get_device().compute_capability()
-    module = SourceModule(args.source.read_text(), no_extern_c=True, arch=f"sm_{major}{minor}",
-                          options=["-O3", f"-DHEAD_DIM={HEAD_DIM}", f"-DGROUP={HEADS // KV_HEADS}"],
-                          include_dirs=[str(ROOT / "cuda_src")])
-    fns = module.get_function("paged_attention_partial"), module.get_function("paged_attention_merge")
+    device = cuda.Context.get_device()
+    major, minor = device.compute_capability()
+    kernels = Kernels(HEAD_DIM, HEADS // KV_HEADS, f"sm_{major}{minor}",
+                      device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT), sources=args.sources)
     spin = SourceModule(SPIN_SOURCE, no_extern_c=True).get_function("spin")
-    print(f"{args.source.name}: {fns[0].num_regs} registers a thread, {fns[0].local_size_bytes} bytes of local memory")
+    partial = kernels.functions["paged_attention_partial"]
+    print(f"{args.sources}: {partial.num_regs} registers a thread, {partial.local_size_bytes} bytes of local memory")
     rng = np.random.default_rng(0)
     cases = {"256 x context 850": [850] * 256, "256 x context U(100, 2000)": rng.integers(100, 2001, 256).tolist(),
              "64 x context 300": [300] * 64, "1 x context 300": [300]}
@@ -110,7 +109,7 @@ def main() -> None:
         x = inputs(contexts, rng)
         for partition in (64, 128, 512, 1024):
             for merge_in_kernel in (False, True):
-                seconds = time_attention(fns, spin, x, partition, merge_in_kernel)
+                seconds = time_attention(kernels, spin, x, partition, merge_in_kernel)
                 print(f"{name:>26} | {partition:>9} | {'in kernel' if merge_in_kernel else 'merge kernel':>12} | "
                       f"{seconds * 1e6:7.1f} | {x['bytes'] / seconds / 1e12:8.2f} | {x['bytes'] / BANDWIDTH * 1e6:8.1f}")
 

@@ -132,9 +132,11 @@ class Kernels:
     compile-time constants), each launched by the method of its name. `programmatic`
     builds them to await their predecessor in-kernel (common.cuh), for CUDA graphs whose
     edges into them are programmatic; eager launches take the plain build. `functions`
-    holds the prepared PyCUDA functions, by name (benchmarks wrap them to time launches)."""
+    holds the prepared PyCUDA functions, by name (benchmarks wrap them to time launches).
+    `sources` is where the .cu files are read from (benchmarks compare other versions)."""
 
-    def __init__(self, head_dim: int, group: int, arch: str, sm_count: int, programmatic: bool = False):
+    def __init__(self, head_dim: int, group: int, arch: str, sm_count: int, programmatic: bool = False,
+                 sources: Path = CUDA_SRC):
         from pycuda.compiler import SourceModule
 
         self.head_dim, self.sm_count = head_dim, sm_count
@@ -142,8 +144,8 @@ class Kernels:
         options = ["-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"] + (["-DPROGRAMMATIC_LAUNCH"] if programmatic else [])
         for name, (file, signature) in SIGNATURES.items():
             if file not in modules:
-                modules[file] = SourceModule((CUDA_SRC / file).read_text(), no_extern_c=True, arch=arch, options=options,
-                                             include_dirs=[str(CUDA_SRC)])
+                modules[file] = SourceModule((sources / file).read_text(), no_extern_c=True, arch=arch, options=options,
+                                             include_dirs=[str(sources)])
             fn = modules[file].get_function(name)
             fn.prepare(signature)
             self.functions[name] = fn
