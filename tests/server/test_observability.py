@@ -129,5 +129,6 @@ def test_cancelled_and_expired_streams_are_logged_and_counted_as_such(caplog):
     assert records["cancelled"]["completion_tokens"] >= received  # (more may have been sent, not yet read)
     assert m[("llamastream:requests_total", (("status", "CANCELLED"),))] == 1
     assert m[("llamastream:requests_total", (("status", "DEADLINE_EXCEEDED"),))] == 1
-    assert m[("llamastream:generation_tokens_total", ())] == sum(r["completion_tokens"] for r in records.values()) > 5
-    assert m[("llamastream:prompt_tokens_total", ())] == sum(r["prompt_tokens"] for r in records.values()) > 0
+    # (a request that expires before its prompt is tokenized logs no token counts)
+    assert m[("llamastream:generation_tokens_total", ())] == sum(r.get("completion_tokens", 0) for r in records.values()) > 5
+    assert m[("llamastream:prompt_tokens_total", ())] == sum(r.get("prompt_tokens", 0) for r in records.values()) > 0
