@@ -33,6 +33,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's, within the KV cache
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,12 @@ class EngineStats:
 
     running: int
     waiting: int
-    kv_blocks_free: int
+    kv_blocks_free: int  # free or evictable (cached, held by no sequence)
     num_preemptions: int
     live_requests: int
+    kv_blocks_evictable: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found there
 
 
 class LLMEngine:
@@ -101,7 +105,7 @@ class LLMEngine:
         self.tokenizer = model.tokenizer
         self.backend = backend
         self.config = config
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         backend.allocate_kv_cache(config.num_kv_blocks, config.block_size, config.max_num_seqs)
         max_model_len = self._context_length(model.config.max_position_embeddings)
@@ -235,7 +239,7 @@ class LLMEngine:
         ]
 
     def _finish(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, keep_cached=out.finish_reason is not FinishReason.ERROR)
         seq.drop_pending()
         self._with_penalties -= seq.params.has_penalties
         del self._streams[seq.request_id]
@@ -246,10 +250,15 @@ class LLMEngine:
             completion_tokens=len(seq.output_ids),
             time_to_first_token_ms=(first - seq.arrival_time) * 1e3,
             total_ms=(now - seq.arrival_time) * 1e3,
+            cached_tokens=seq.num_cached_tokens,
         )
         return out
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), self.block_manager.num_free_blocks, s.num_preemptions,
-                           len(self._streams))
+        s, bm = self.scheduler, self.block_manager
+        return EngineStats(len(s.running), len(s.waiting), bm.num_free_blocks, s.num_preemptions, len(self._streams),
+                           bm.num_evictable_blocks, bm.stats.queries, bm.stats.hits)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (running requests keep their blocks); returns the blocks freed."""
+        return self.block_manager.reset_prefix_cache()

@@ -17,6 +17,7 @@ class Usage:
     completion_tokens: int
     time_to_first_token_ms: float
     total_ms: float
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 @dataclass

@@ -11,8 +11,10 @@ arriving behind a long prompt starts in the next step, at little cost to the lon
 
 When a decode needs a block and none is free, the newest running sequence not yet
 scheduled in this step is preempted: its blocks are freed and it waits to be
-recomputed from scratch. A prompt takes what the free blocks hold, and preempts only
-when not one more token fits.
+recomputed (its computed full blocks stay in the prefix cache, where it may find them
+again). A prompt takes what the free blocks hold, and preempts only when not one more
+token fits. A waiting sequence starts past the longest prefix of it that the prefix
+cache holds (BlockManager): those tokens cost neither budget nor compute.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: dict[Sequence, int] = {}  # tokens of each scheduled sequence, in batch order
         preemptions_before = self.num_preemptions
+        for seq in self.running:  # blocks that the steps so far have filled, for the prefix cache
+            self.block_manager.cache_full_blocks(seq)
         for seq in list(self.running):  # decodes
             if budget == 0:
                 break
@@ -79,11 +83,14 @@ class Scheduler:
         admit = self.num_preemptions == preemptions_before
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            self.block_manager.claim_cached_prefix(seq)
             n = min(seq.num_uncomputed_tokens, share, budget)
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+                self._release(seq)
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            self.block_manager.admitted(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks[seq] = n
@@ -122,20 +129,25 @@ class Scheduler:
         self.block_manager.allocate(seq, num_tokens)
         return True
 
+    def _release(self, seq: Sequence, keep_cached: bool = True) -> None:
+        """Give `seq`'s blocks back; it has computed nothing now."""
+        self.block_manager.free(seq, keep_cached)
+        seq.num_computed_tokens = 0
+
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        self._release(seq)
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out, returning its blocks."""
+    def finish(self, seq: Sequence, keep_cached: bool = True) -> None:
+        """Take a finished or aborted sequence out, returning its blocks (not into the
+        prefix cache unless `keep_cached`: after a failed step they may be wrong)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self.block_manager.free(seq, keep_cached)
         seq.status = SequenceStatus.FINISHED

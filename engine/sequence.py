@@ -45,6 +45,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: np.ndarray = field(default_factory=lambda: NO_BLOCKS)  # int32 block ids (see BlockManager)
+    # the prefix cache's view (BlockManager): hashes of the full blocks of known tokens
+    # computed so far, how many of its blocks are registered, and the prompt tokens
+    # found cached at its first admission
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0

@@ -126,6 +126,7 @@ def responses(out: RequestOutput, tokenizer: Tokenizer) -> list[pb.GenerateRespo
             usage=pb.Usage(
                 prompt_tokens=u.prompt_tokens,
                 completion_tokens=u.completion_tokens,
+                cached_tokens=u.cached_tokens,
                 time_to_first_token_ms=u.time_to_first_token_ms,
                 total_ms=u.total_ms,
             ),

@@ -10,7 +10,9 @@ from engine.sequence import Sequence
 
 
 def sequence(name: str, prompt_len: int, max_tokens: int = 100) -> Sequence:
-    return Sequence(name, list(range(prompt_len)), SamplingParams(), max_tokens)
+    """A sequence whose prompt shares no prefix with another name's (nothing is cached)."""
+    first = 1000 * sum(map(ord, name))
+    return Sequence(name, list(range(first, first + prompt_len)), SamplingParams(), max_tokens)
 
 
 def step(scheduler: Scheduler) -> dict[str, int]:
