@@ -52,6 +52,10 @@ class EngineLoop:
         """Stop a request, if it is still in the engine; its last output is published."""
         self._inbox.put(("abort", request_id))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes (LLMEngine.reset_prefix_cache) before the next step."""
+        self._inbox.put(("reset_prefix_cache", None))
+
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._apply_inbox(block=not self.engine.has_work())
@@ -80,6 +84,8 @@ class EngineLoop:
                     kind, arg = item
                     if kind == "add":
                         self.engine.add(arg)
+                    elif kind == "reset_prefix_cache":
+                        log.info("prefix cache flushed: %d blocks freed", self.engine.reset_prefix_cache())
                     else:
                         out = self.engine.abort(arg)
                         if out is not None:

@@ -50,6 +50,7 @@ class EngineInfo:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    prefix_caching: bool = True
 
     def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Check a request against the model and the context; raise InvalidRequest if it cannot run."""
@@ -111,7 +112,7 @@ class LLMEngine:
         max_model_len = self._context_length(model.config.max_position_embeddings)
         self.info = EngineInfo(model.name, model.config, model.tokenizer, backend.name, max_model_len,
                                config.num_kv_blocks, config.block_size, config.max_num_seqs,
-                               config.max_num_batched_tokens)
+                               config.max_num_batched_tokens, config.enable_prefix_caching)
         self._streams: dict[str, OutputStream] = {}
         # batches launched and not yet ended, oldest first, each with what waits for its samples
         self._in_flight: deque[InFlightStep] = deque()  # launched, not yet ended, oldest first

@@ -58,6 +58,7 @@ class ServerConfig:
     gpu_memory_utilization: float = 0.9  # cuda backend
     enforce_eager: bool = False  # cuda backend: no CUDA graphs
     batch_invariant: bool = False  # cuda backend: a token's result independent of its batch
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: the backend's (DEFAULT_TOKEN_BUDGETS)
     max_model_len: int | None = None
@@ -108,6 +109,7 @@ def build_engine(cfg: ServerConfig) -> LLMEngine:
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens or max(DEFAULT_TOKEN_BUDGETS[backend.name], cfg.max_num_seqs),
         max_model_len=cfg.max_model_len,
+        enable_prefix_caching=cfg.prefix_caching,
     ))
     return engine
 
@@ -224,6 +226,7 @@ class Server:
             f"max-num-batched-tokens {info.max_num_batched_tokens}",
             f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens",
             f"context {info.max_model_len}",
+            "prefix caching" if info.prefix_caching else "no prefix caching",
             security,
             "bearer token" if cfg.auth_token_file else "no bearer token",
         ]

@@ -58,6 +58,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="compute each token exactly as it would be alone, whatever else runs in its batch "
                         "(reproducible seeded and greedy outputs; slower GEMMs on the GPU)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt in full, even where a cached prefix of it is in the KV cache")
     p.add_argument("--engine-in-process", dest="engine_process", action="store_false",
                    help="step the engine on a thread of the server's process instead of a process of its own "
                         "(one Python GIL for both: slower under many streams, simpler to debug or profile)")

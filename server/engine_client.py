@@ -100,6 +100,10 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def _abort(self, request_id: str) -> None: ...
 
+    @abc.abstractmethod
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt prefixes, before the engine's next step."""
+
 
 class InProcessEngine(EngineClient):
     """The engine on a thread of this process (`llamastream serve --engine-in-process`)."""
@@ -127,6 +131,9 @@ class InProcessEngine(EngineClient):
 
     def _abort(self, request_id: str) -> None:
         self._loop.abort(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        self._loop.reset_prefix_cache()
 
 
 class EngineProcess(EngineClient):
@@ -185,6 +192,9 @@ class EngineProcess(EngineClient):
     def _abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    def reset_prefix_cache(self) -> None:
+        self._post(("reset_prefix_cache", None))
+
     def _post(self, message) -> None:
         try:
             with self._send_lock:
@@ -234,6 +244,8 @@ def _engine_process_main(build: Callable[[], LLMEngine], conn: Connection, log_l
             kind, arg = message
             if kind == "add":
                 loop.add(arg)
+            elif kind == "reset_prefix_cache":
+                loop.reset_prefix_cache()
             else:
                 loop.abort(arg)
     except EOFError:  # the server is gone

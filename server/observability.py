@@ -57,8 +57,15 @@ class _EngineCollector:
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("llamastream:kv_cache_blocks_evictable",
+                                "KV-cache blocks that hold a cached prefix and no sequence (counted as free).",
+                                value=stats.kv_blocks_evictable)
         yield CounterMetricFamily("llamastream:num_preemptions", "Sequences preempted to free KV blocks.",
                                   value=stats.num_preemptions)
+        yield CounterMetricFamily("llamastream:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=stats.prefix_cache_queries)
+        yield CounterMetricFamily("llamastream:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=stats.prefix_cache_hits)
 
 
 class _Endpoints(BaseHTTPRequestHandler):

@@ -166,7 +166,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             backend=info.backend_name,
             kv_cache_blocks=info.num_kv_blocks,
             block_size=info.block_size,
+            prefix_caching=info.prefix_caching,
         )
+
+    async def FlushCache(self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:
+        self.engine.reset_prefix_cache()
+        return pb.FlushCacheResponse()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Abort the named requests that the caller may abort: with mutual TLS, those made

@@ -42,6 +42,7 @@ CHECKS = [
     ("Generation/Tokenize", lambda out, ok: ok and json_stream(out)[0]["token_ids"]),
     ("Generation/GetModelInfo", lambda out, ok: ok and json_stream(out)[0]["model"] == "tiny-llama"),
     ("Generation/Abort", lambda out, ok: ok and json_stream(out) == [{}]),  # 0 aborted: the field is left out
+    ("Generation/FlushCache", lambda out, ok: ok and json_stream(out) == [{}]),
     ("Health/Check", lambda out, ok: ok and json_stream(out) == [{"status": "SERVING"}]),
 ]
 

@@ -1,18 +1,24 @@
 """Invariants of the paged KV cache's bookkeeping under random scheduling histories.
 
 A hypothesis state machine drives the real Scheduler and BlockManager (without a
-model: a step only advances the sequences) through admits, steps, finishes, aborts
-and preemptions, and after every move checks that no block has two owners and
-that every block is either free or owned. At the end every block must be free.
+model: a step only advances the sequences, writing each token's id where its keys and
+values would go) through admits of prompts that share prefixes, steps, finishes,
+aborts, failures, preemptions and prefix-cache resets. After every move reference
+counts must equal the block tables holding each block, no block being written may be
+shared, and every block must be held, evictable or free; every step must find, in
+the cache, the tokens its sequences' earlier positions hold (whether computed or
+claimed from the prefix cache). At the end every block must be free or evictable.
 """
 
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from engine import block_manager
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -25,25 +31,34 @@ class SchedulingMachine(RuleBasedStateMachine):
         self.bm = BlockManager(num_blocks=24, block_size=4)
         self.scheduler = Scheduler(self.bm, max_num_seqs=5, max_num_batched_tokens=16)
         self.count = 0
+        self.cache = np.full(24 * 4, -1)  # the token id whose K/V each slot holds
 
     def live(self) -> list[Sequence]:
         return self.scheduler.running + list(self.scheduler.waiting)
 
-    @rule(prompt_len=st.integers(1, 40), max_tokens=st.integers(1, 40))
-    def admit(self, prompt_len, max_tokens):
-        max_tokens = min(max_tokens, 24 * 4 - prompt_len) or 1  # fits the cache, as admission guarantees
+    # prompts: one of a few shared prefixes, then tokens of their own
+    @rule(shared=st.sampled_from([0, 3, 8, 13]), prefix=st.integers(0, 2), own=st.integers(0, 30),
+          max_tokens=st.integers(1, 40))
+    def admit(self, shared, prefix, own, max_tokens):
         self.count += 1
-        seq = Sequence(f"r{self.count}", list(range(prompt_len)), SamplingParams(), max_tokens)
-        self.scheduler.add(seq)
+        prompt = [100 * prefix + i for i in range(shared)] + [1000 * self.count + i for i in range(own)] or [5]
+        max_tokens = min(max_tokens, 24 * 4 - len(prompt)) or 1  # fits the cache, as admission guarantees
+        self.scheduler.add(Sequence(f"r{self.count}", prompt, SamplingParams(), max_tokens))
+
+    def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        return np.array([self.bm.slot(seq, p) for p in range(start, end)], np.int64)
 
     @rule()
     def step(self):
         for s in self.scheduler.schedule():
             seq = s.seq
-            assert len(seq.block_table) * self.bm.block_size >= s.start + s.num_tokens
+            end = s.start + s.num_tokens
+            assert len(seq.block_table) * self.bm.block_size >= end
+            assert self.cache[self.slots(seq, 0, s.start)].tolist() == seq.tokens(0, s.start), "read a wrong prefix"
+            self.cache[self.slots(seq, s.start, end)] = seq.tokens(s.start, end)
             seq.num_computed_tokens += s.num_tokens
             if s.samples:
-                seq.output_ids.append(7)
+                seq.output_ids.append(7 + len(seq.output_ids) % 3)
                 if len(seq.output_ids) >= seq.max_tokens:
                     self.scheduler.finish(seq)
 
@@ -56,6 +71,20 @@ class SchedulingMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort_any(self, data):
         self.scheduler.finish(data.draw(st.sampled_from(self.live())))
+
+    @precondition(lambda self: self.scheduler.running)
+    @rule(data=st.data())
+    def fail(self, data):
+        """A failed step: the sequence's blocks may hold anything, and are not cached."""
+        seq = data.draw(st.sampled_from(self.scheduler.running))
+        for i, block in enumerate(seq.block_table.tolist()):  # (it never writes a block another holds)
+            if self.bm._refs[block] == 1:
+                self.cache[block * 4 : (block + 1) * 4] = -2
+        self.scheduler.finish(seq, keep_cached=False)
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.bm.reset_prefix_cache()
 
     @precondition(lambda self: self.scheduler.running)
     @rule(data=st.data())
@@ -101,3 +130,53 @@ def test_slots_follow_the_block_table():
     bm.allocate(a, 5)  # a's second block comes after b's first
     assert a.block_table.tolist() == [0, 2] and b.block_table.tolist() == [1]
     assert [bm.slot(a, p) for p in range(5)] == [0, 1, 2, 3, 8]
+
+
+def admitted(bm: BlockManager, prompt: list[int]) -> Sequence:
+    """A sequence admitted as the scheduler admits one: cached prefix first, then the rest."""
+    seq = Sequence("s", prompt, SamplingParams(), 4)
+    bm.claim_cached_prefix(seq)
+    bm.allocate(seq, len(prompt))
+    bm.admitted(seq)
+    seq.num_computed_tokens = len(prompt)
+    return seq
+
+
+def test_a_cached_prefix_is_claimed_in_whole_blocks_and_never_the_last_token():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    first = admitted(bm, list(range(12)))
+    blocks = first.block_table.tolist()
+    bm.free(first)
+    assert bm.num_evictable_blocks == 3
+    again = admitted(bm, list(range(12)))  # all cached, but its last token is computed for its logits
+    assert again.num_cached_tokens == 8 and again.block_table[:2].tolist() == blocks[:2]
+    assert again.block_table[2] != blocks[2]
+    longer = admitted(bm, list(range(12)) + [99, 98])  # two blocks shared with `again`, the third evictable
+    assert longer.num_cached_tokens == 12 and longer.block_table[:3].tolist() == blocks
+    assert bm.stats.queries == 12 + 12 + 14 and bm.stats.hits == 0 + 8 + 12
+    bm.check_invariants([again, longer])
+
+
+def test_evictable_blocks_are_reused_least_recently_used_and_a_prefix_tail_first():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a, b = admitted(bm, list(range(8))), admitted(bm, list(range(100, 108)))
+    a_blocks = a.block_table.tolist()
+    bm.free(a)
+    bm.free(b)
+    c = Sequence("c", list(range(200, 204)), SamplingParams(), 1)
+    bm.allocate(c, 4)  # nothing is free: the least recently released, a's tail
+    assert c.block_table.tolist() == a_blocks[1:]
+    assert admitted(bm, list(range(8)) + [1]).num_cached_tokens == 4  # a's head is still found
+
+
+def test_a_hash_collision_is_not_a_hit(monkeypatch):
+    monkeypatch.setattr(block_manager, "block_hash", lambda previous, tokens: 42)
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.free(admitted(bm, [1, 2, 3, 4, 5]))
+    assert admitted(bm, [6, 7, 8, 9, 10]).num_cached_tokens == 0
+
+
+def test_without_prefix_caching_nothing_is_kept():
+    bm = BlockManager(num_blocks=8, block_size=4, prefix_caching=False)
+    bm.free(admitted(bm, list(range(9))))
+    assert bm.num_evictable_blocks == 0 and admitted(bm, list(range(9))).num_cached_tokens == 0

@@ -139,6 +139,37 @@ def test_a_prompt_prefilled_in_chunks_equals_one_prefill(invariant_engine):
     assert in_chunks == whole
 
 
+def test_prefix_cache_hits_compute_what_misses_compute(invariant_engine, llama):
+    """Requests sharing a 600-token system prompt, with the cache on (later ones hit)
+    and off: with --batch-invariant the same tokens and logprobs, bit for bit; with the
+    default GEMMs the same first tokens' logprobs within 1e-2."""
+    from engine.backends.cuda.backend import CudaBackend
+
+    rng = np.random.default_rng(9)
+    system = rng.integers(0, 128000, 600).tolist()
+    prompts = [system + rng.integers(0, 128000, n).tolist() for n in (5, 40, 1, 130)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, top_logprobs=2)
+
+    def outcome(engine):
+        seqs = [engine.make_sequence(f"p{i}", p, params) for i, p in enumerate(prompts)]
+        outputs = run(engine, seqs[:1], {3: seqs[1:]}, check_blocks=False)
+        hits = sum(outputs[s.request_id][-1].usage.cached_tokens for s in seqs)
+        return {rid: (tokens(outs), [lp for o in outs for lp in o.logprobs]) for rid, outs in outputs.items()}, hits
+
+    model = invariant_engine.model
+    for cached_engine, invariant in ((invariant_engine, True), (llama[1], False)):
+        uncached = LLMEngine(model, CudaBackend(model.config, model.model_weights(), batch_invariant=invariant),
+                             EngineConfig(num_kv_blocks=512, max_num_seqs=8, enable_prefix_caching=False))
+        cached_engine.block_manager.reset_prefix_cache()
+        (with_cache, hits), (without, no_hits) = outcome(cached_engine), outcome(uncached)
+        assert hits >= 3 * 592 and no_hits == 0
+        for rid, (ids, lps) in without.items():
+            if invariant:
+                assert with_cache[rid] == (ids, lps), rid
+            else:
+                assert abs(with_cache[rid][1][0].logprob - lps[0].logprob) < 1e-2, rid
+
+
 def test_default_batch_stays_within_bfloat16_noise_of_alone(llama):
     """Without --batch-invariant a GEMM runs over the whole step, and cuBLAS picks its
     kernel by row count: a batched token may round differently from alone, no more.
