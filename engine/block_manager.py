@@ -180,13 +180,13 @@ class BlockManager:
         seq.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix: evictable blocks become free, and blocks still held
-        are no longer found by new requests. Returns the blocks freed."""
+        """Forget the cached blocks that no sequence holds (they become free); those still
+        held stay cached. Returns the blocks freed."""
         dropped = len(self._evictable)
+        for block in self._evictable:
+            self._forget(block)
         self._free.extend(self._evictable)
         self._evictable.clear()
-        self._by_hash.clear()
-        self._hash_of.clear()
         return dropped
 
     def slot(self, seq: Sequence, position: int) -> int:

@@ -261,5 +261,5 @@ class LLMEngine:
                            bm.num_evictable_blocks, bm.stats.queries, bm.stats.hits)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (running requests keep their blocks); returns the blocks freed."""
+        """Forget the cached prefixes no request holds; returns the blocks freed."""
         return self.block_manager.reset_prefix_cache()

@@ -180,3 +180,13 @@ def test_without_prefix_caching_nothing_is_kept():
     bm = BlockManager(num_blocks=8, block_size=4, prefix_caching=False)
     bm.free(admitted(bm, list(range(9))))
     assert bm.num_evictable_blocks == 0 and admitted(bm, list(range(9))).num_cached_tokens == 0
+
+
+def test_a_flush_drops_only_what_no_sequence_holds():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    held = admitted(bm, list(range(9)))
+    bm.cache_full_blocks(held)  # (as the scheduler does each step)
+    bm.free(admitted(bm, list(range(100, 109))))
+    assert bm.reset_prefix_cache() == 2
+    assert admitted(bm, list(range(9))).num_cached_tokens == 8  # still held, still found
+    assert admitted(bm, list(range(100, 109))).num_cached_tokens == 0
