@@ -115,13 +115,37 @@ def floor_seconds(run: Run, output: int, params: int, weight_bytes: int, flops: 
     return run.computed_prompt_tokens * 2 * params / flops + run.waves * output * weight_bytes / bandwidth
 
 
-def cached_ttft_ms(engine: LLMEngine, w: Workload, vocab: int, rng, new_tokens: int = 64) -> float:
-    """Median time to first token of one request alone: a cached system prompt plus new tokens."""
+def cached_first_token(engine: LLMEngine, w: Workload, vocab: int, rng, new_tokens: int = 64) -> str:
+    """One request alone whose system prompt is cached, plus `new_tokens` of its own:
+    its time to first token (median of 15, after 5), and the wall and GPU time of the
+    one step that computes it (GPU time on CUDA only)."""
     system = rng.integers(0, vocab, w.system).tolist()
     run_requests(engine, [system + [1]], 1)  # caches it
-    times = [run_requests(engine, [system + rng.integers(0, vocab, new_tokens).tolist()], 1)[0].ttft_ms[0]
-             for _ in range(20)]
-    return statistics.median(times[5:])
+    ttft, walls, gpus = [], [], []
+    for _ in range(20):
+        ttft.append(run_requests(engine, [system + rng.integers(0, vocab, new_tokens).tolist()], 1)[0].ttft_ms[0])
+        engine.add(engine.make_sequence("step", system + rng.integers(0, vocab, new_tokens).tolist(),
+                                        SamplingParams(temperature=0.0, max_tokens=1)))
+        if engine.backend.name == "cuda":
+            from bench.step_times import timed_step
+
+            wall, gpu = timed_step(engine, engine.backend)
+            gpus.append(gpu)
+        else:
+            start = time.perf_counter()
+            engine.step()
+            wall = (time.perf_counter() - start) * 1e3
+        walls.append(wall)
+        while engine.has_work():
+            engine.step()
+    gpu = f", GPU {statistics.median(gpus[5:]):.2f} ms" if gpus else ""
+    return (f"time to first token {statistics.median(ttft[5:]):.2f} ms; its step alone: wall "
+            f"{statistics.median(walls[5:]):.2f} ms{gpu}")
+
+
+def new_tokens_floor_ms(tokens: int, params: int, weight_bytes: int, flops: float, bandwidth: float) -> float:
+    """A step of `tokens` prompt tokens: their FLOPs at the peak plus one read of the weights."""
+    return (tokens * 2 * params / flops + weight_bytes / bandwidth) * 1e3
 
 
 def load(device: str) -> tuple[LoadedModel, float, float, tempfile.TemporaryDirectory | None]:
@@ -168,10 +192,9 @@ def main() -> None:
             print(f"{name:>26} | {'on' if caching else 'off':>5} | {p50:11.1f} | {p99:11.1f} | "
                   f"{r.output_tokens / r.seconds:12.0f} | {r.computed_prompt_tokens:>22} | {floor:11.0f}")
         if caching:
-            ttft = cached_ttft_ms(engine, w, c.vocab_size, rng)
-            floor_ms = 64 * 2 * params / flops * 1e3 + weight_bytes / bandwidth * 1e3
-            print(f"(c) one request alone, its {w.system}-token system prompt cached, 64 new tokens: time to first "
-                  f"token {ttft:.2f} ms (floor {floor_ms:.2f} ms)")
+            floor_ms = new_tokens_floor_ms(64, params, weight_bytes, flops, bandwidth)
+            print(f"(c) one request alone, its {w.system}-token system prompt cached, 64 new tokens: "
+                  f"{cached_first_token(engine, w, c.vocab_size, rng)} (floor {floor_ms:.2f} ms)")
     if tmp is not None:
         tmp.cleanup()
 
