@@ -35,6 +35,7 @@ from server.interceptors import OPEN_SERVICES, BearerTokenAuth, RejectMalformed
 from server.log_format import logging_settings
 from server.observability import Observer
 from server.preflight import SettingsError, check_listen_address, read_token, server_credentials
+from server.requests import Requests
 from server.servicer import GenerationServicer
 from server.streams import OutputHub
 
@@ -147,13 +148,13 @@ class Server:
                                                          () if cfg.auth_health_and_reflection else OPEN_SERVICES))
         check_listen_address(cfg.host, cfg.port, "--port")
         self.engine: EngineClient | None = None
-        self.servicer: GenerationServicer | None = None
+        self.requests: Requests | None = None
         self.exit_code = 0  # 1 once the engine has failed
         self.observer = Observer()
         if cfg.metrics_port is not None:
             self.metrics_port = self.observer.serve_http(
                 cfg.host, cfg.metrics_port, live=lambda: self.exit_code == 0,
-                ready=lambda: self.servicer is not None and self.servicer.accepting.is_set() and self.engine.alive)
+                ready=lambda: self.requests is not None and self.requests.accepting.is_set() and self.engine.alive)
         try:
             make_engine = functools.partial(build, cfg)
             self.engine = (EngineProcess(make_engine, self._on_fatal) if cfg.engine_process
@@ -168,8 +169,8 @@ class Server:
         self.aio = asyncio.new_event_loop()
         self._aio_thread = threading.Thread(target=self.aio.run_forever, name="grpc", daemon=True)
         self._aio_thread.start()
-        self.servicer = GenerationServicer(self.engine, OutputHub(self.aio, cfg.max_stream_backlog), self.observer,
-                                           cfg.max_num_seqs + cfg.max_waiting, log_prompts=cfg.log_prompts)
+        self.requests = Requests(self.engine, OutputHub(self.aio, cfg.max_stream_backlog), self.observer,
+                                 cfg.max_num_seqs + cfg.max_waiting, log_prompts=cfg.log_prompts)
         self.health = health.aio.HealthServicer()
         self.port = self._on_aio(self._listen())
 
@@ -182,7 +183,7 @@ class Server:
                    ("grpc.max_send_message_length", self.cfg.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # (with it, a second server on the port would quietly share it)
         self.grpc_server = grpc.aio.server(interceptors=self._interceptors, options=options)
-        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.grpc_server)
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.requests), self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -209,10 +210,10 @@ class Server:
         # get it back from the RPC loop at once, not after Python's default 5 ms.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.engine.start()
-        self._engine_watch = asyncio.run_coroutine_threadsafe(self.servicer.hub.watch(self.engine, ENGINE_CHECK_S), self.aio)
+        self._engine_watch = asyncio.run_coroutine_threadsafe(self.requests.hub.watch(self.engine, ENGINE_CHECK_S), self.aio)
         self._on_aio(self.grpc_server.start())
         self._warm_up()
-        self.servicer.accepting.set()
+        self.requests.accepting.set()
         self._on_aio(self._set_health(health_pb2.HealthCheckResponse.SERVING))
         log.info("serving on %s:%d: %s", self.cfg.host, self.port, self._settings_summary())
 
@@ -251,14 +252,14 @@ class Server:
         grpc's own stop() would answer new calls CANCELLED, so it comes last.
         """
         log.info("draining: up to %.0f s for %d in-flight requests", self.cfg.grace, self.engine.num_in_flight())
-        self.servicer.accepting.clear()
+        self.requests.accepting.clear()
         self._on_aio(self.health.enter_graceful_shutdown())
         if not self._wait_until_idle(self.cfg.grace):
-            cut = self.servicer.cut_all()
+            cut = self.requests.cut_all()
             log.warning("the %.0f s grace ran out with %d streams in flight: they end with UNAVAILABLE", self.cfg.grace, cut)
             self._wait_until_idle(CUT_WAIT_S)
         self._on_aio(self.grpc_server.stop(grace=1.0))  # time to send the streams' last messages
-        self.servicer.close()
+        self.requests.close()
         if self._engine_watch is not None:
             self._engine_watch.cancel()
         self.engine.stop()

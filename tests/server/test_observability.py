@@ -88,7 +88,7 @@ def test_the_http_port_serves_metrics_liveness_and_readiness():
         before = get("/healthz")[0], get("/readyz")[0]  # loaded, not warmed up: live, not ready
         server.start()
         serving = get("/healthz"), get("/readyz"), get("/metrics"), get("/")[0], get("/anything/else")[0]
-        server.servicer.accepting.clear()  # (as the drain does first)
+        server.requests.accepting.clear()  # (as the drain does first)
         draining = get("/healthz")[0], get("/readyz")[0]
     finally:
         server.drain()
