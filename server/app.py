@@ -22,6 +22,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from tqdm import tqdm
 
 from engine.backends import DEFAULT_TOKEN_BUDGETS, create_backend
@@ -37,6 +38,8 @@ from server.observability import Observer
 from server.preflight import SettingsError, check_listen_address, read_token, server_credentials
 from server.requests import Requests
 from server.servicer import GenerationServicer
+from server.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME
+from server.vllm_servicer import VllmEngineServicer
 from server.streams import OutputHub
 
 log = logging.getLogger("llamastream.server")
@@ -184,9 +187,12 @@ class Server:
                    ("grpc.so_reuseport", 0)]  # (with it, a second server on the port would quietly share it)
         self.grpc_server = grpc.aio.server(interceptors=self._interceptors, options=options)
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.requests), self.grpc_server)
+        vpb_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(self.requests, self.cfg.model or "(embedded)"),
+                                                  self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (SERVICE_NAME, VLLM_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
             self.grpc_server,
         )
         address = f"{self.cfg.host}:{self.cfg.port}"
@@ -201,7 +207,7 @@ class Server:
         return port
 
     async def _set_health(self, status) -> None:
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, VLLM_SERVICE_NAME):
             await self.health.set(name, status)
 
     def start(self) -> None:

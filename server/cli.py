@@ -6,9 +6,9 @@ import argparse
 import logging
 import sys
 
-from importlib.metadata import PackageNotFoundError, version
 
 from engine.backends import DEFAULT_TOKEN_BUDGETS
+from server import package_version
 from server.app import MIN_MESSAGE_BYTES, ServerConfig
 from server.log_format import LOG_FORMATS, configure_logging
 
@@ -84,16 +84,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="text (one line a record, control characters escaped) or json (one object a line)")
 
 
-def _version() -> str:
-    try:
-        return version("llamastream")
-    except PackageNotFoundError:  # (run from a checkout that was never installed)
-        return "(not installed)"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llamastream", description="Streaming gRPC inference for Llama-architecture models")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_args(sub.add_parser("serve", help="serve a model over gRPC"))
     convert = sub.add_parser("convert-gguf", help="write a GGUF model as a Hugging Face directory")

@@ -1,0 +1,166 @@
+"""vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine) on the server's port, called
+through smg-grpc-proto's generated stubs over a real socket: every RPC, its answers
+checked against our own service's, and the clear errors for what llamastream does not do."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import zipfile
+
+import grpc
+import pytest
+import tokenizers
+from smg_grpc_proto.generated import common_pb2 as common
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+from llamastream.v1 import generation_pb2 as pb
+from tests.serving import collect, local_server, stub
+
+PROMPT = [1, 5, 9, 42, 7, 300, 12]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = local_server(num_kv_blocks=160, engine_process=True)
+    yield s
+    s.drain()
+
+
+@pytest.fixture(scope="module")
+def vllm(server):
+    return vpb_grpc.VllmEngineStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+
+
+def greedy(max_tokens: int = 12, **fields) -> vpb.SamplingParams:
+    return vpb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **fields)
+
+
+def ours(server, ids: list[int], max_tokens: int = 12) -> list[int]:
+    """The same request through llamastream's own service."""
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(temperature=0.0),
+                                 stop=pb.StopCriteria(max_tokens=max_tokens, ignore_eos=True))
+    messages, _ = collect(stub(f"127.0.0.1:{server.port}").Generate(request, timeout=30))
+    return [t for m in messages for t in m.delta.token_ids]
+
+
+def generate(vllm, stream: bool, sampling: vpb.SamplingParams, ids=PROMPT, **fields) -> list[vpb.GenerateResponse]:
+    request = vpb.GenerateRequest(request_id=fields.pop("request_id", ""), tokenized=vpb.TokenizedInput(input_ids=ids),
+                                  sampling_params=sampling, stream=stream, **fields)
+    return list(vllm.Generate(request, timeout=30))
+
+
+def test_streamed_generation_is_chunks_then_complete_and_equals_our_service(server, vllm):
+    responses = generate(vllm, True, greedy())
+    kinds = [r.WhichOneof("response") for r in responses]
+    assert kinds[-1] == "complete" and set(kinds[:-1]) <= {"chunk"}
+    tokens = [t for r in responses[:-1] for t in r.chunk.token_ids] + list(responses[-1].complete.output_ids)
+    assert tokens == ours(server, PROMPT)
+    complete = responses[-1].complete
+    assert (complete.finish_reason, complete.prompt_tokens) == ("length", len(PROMPT))
+    assert sum(r.chunk.completion_tokens for r in responses[:-1]) + complete.completion_tokens == 12
+
+
+def test_unstreamed_generation_is_one_complete_with_every_token(server, vllm):
+    (response,) = generate(vllm, False, greedy())
+    assert list(response.complete.output_ids) == ours(server, PROMPT)
+    assert response.complete.completion_tokens == 12
+
+
+def test_text_input_is_tokenized_with_special_tokens(server, vllm):
+    text = "The capital of France is"
+    request = vpb.GenerateRequest(text=text, sampling_params=greedy(6), stream=False)
+    (response,) = list(vllm.Generate(request, timeout=30))
+    ids = server.engine.info.tokenizer.encode(text, add_special_tokens=True)
+    assert response.complete.prompt_tokens == len(ids)
+    assert list(response.complete.output_ids) == ours(server, ids, 6)
+
+
+def test_logprobs_stop_strings_and_stop_tokens(server, vllm):
+    (response,) = generate(vllm, False, greedy(logprobs=3))
+    lps = response.complete.output_logprobs
+    assert list(lps.token_ids) == list(response.complete.output_ids)
+    assert all(len(top.values) == 3 and top.token_ids[0] == t for top, t in zip(lps.top_logprobs, lps.token_ids))
+    first = ours(server, PROMPT, 3)
+    (stopped,) = generate(vllm, False, greedy(stop_token_ids=[first[2]]))
+    assert (stopped.complete.finish_reason, stopped.complete.matched_token_id) == ("stop", first[2])
+    text = server.engine.info.tokenizer.decode(ours(server, PROMPT))
+    stop = text[len(text) // 2 :][:3]
+    (by_string,) = generate(vllm, False, greedy(stop=[stop]))
+    assert (by_string.complete.finish_reason, by_string.complete.matched_stop_str) == ("stop", stop)
+
+
+@pytest.mark.parametrize("fields, sampling, named", [
+    (dict(mm_inputs=vpb.MultimodalInputs(im_token_id=3)), {}, "mm_inputs"),
+    (dict(kv_transfer_params=vpb.KvTransferParams(remote_host="h", remote_port=1)), {}, "kv_transfer_params"),
+    ({}, dict(n=2), "sampling_params.n"),
+    ({}, dict(json_schema='{"type": "object"}'), "sampling_params.json_schema"),
+    ({}, dict(choice=vpb.ChoiceConstraint(choices=["a", "b"])), "sampling_params.choice"),
+    ({}, dict(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
+    ({}, dict(logit_bias={5: 1.0}), "sampling_params.logit_bias"),
+    ({}, dict(logprobs=-1), "sampling_params.logprobs"),
+    ({}, dict(temperature=-1.0), "sampling_params.temperature"),
+    ({}, dict(min_tokens=20), "sampling_params.min_tokens"),
+])
+def test_what_llamastream_does_not_do_is_refused_by_name(vllm, fields, sampling, named):
+    params = vpb.SamplingParams(max_tokens=4)
+    for key, value in sampling.items():
+        if isinstance(value, dict):
+            getattr(params, key).update(value)
+        elif isinstance(value, vpb.ChoiceConstraint):
+            getattr(params, key).CopyFrom(value)
+        else:
+            setattr(params, key, value)
+    with pytest.raises(grpc.RpcError) as e:
+        generate(vllm, True, params, **fields)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and named in e.value.details(), e.value.details()
+
+
+def test_abort_ends_a_stream_with_finish_reason_abort(vllm):
+    request = vpb.GenerateRequest(request_id="to-abort", tokenized=vpb.TokenizedInput(input_ids=PROMPT),
+                                  sampling_params=greedy(2000), stream=True)
+    responses = vllm.Generate(request, timeout=30)
+    first = next(responses)  # (it runs)
+    vllm.Abort(vpb.AbortRequest(request_ids=["to-abort"]), timeout=5)
+    rest = list(responses)
+    assert first.WhichOneof("response") == "chunk" and rest[-1].complete.finish_reason == "abort"
+    assert sum(len(r.chunk.token_ids) for r in [first] + rest[:-1]) < 2000
+
+
+def test_health_model_server_and_load_information(server, vllm):
+    assert vllm.HealthCheck(vpb.HealthCheckRequest(), timeout=5).healthy
+    model = vllm.GetModelInfo(vpb.GetModelInfoRequest(), timeout=5)
+    info = server.engine.info
+    assert (model.served_model_name, model.vocab_size, model.max_context_length) == (
+        info.model_name, info.config.vocab_size, info.max_model_len)
+    assert list(model.architectures) == ["LlamaForCausalLM"] and model.is_generation and not model.supports_vision
+    server_info = vllm.GetServerInfo(vpb.GetServerInfoRequest(), timeout=5)
+    assert (server_info.server_type, server_info.block_size, server_info.max_num_seqs) == ("vllm-grpc", 16, 64)
+    loads = vllm.GetLoads(vpb.GetLoadsRequest(), timeout=5)
+    assert loads.dp_rank_count == 1 and loads.loads[0].max_total_num_tokens == 160 * 16
+    assert 0.0 <= loads.loads[0].token_usage <= 1.0
+
+
+def test_the_tokenizer_is_served_as_a_zip_that_tokenizes_alike(server, vllm):
+    chunks = list(vllm.GetTokenizer(common.GetTokenizerRequest(), timeout=10))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest() and not any(c.sha256 for c in chunks[:-1])
+    files = zipfile.ZipFile(io.BytesIO(data))
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(files.namelist())
+    served = tokenizers.Tokenizer.from_str(files.read("tokenizer.json").decode())
+    text = "Paris is the capital of France."
+    assert served.encode(text, add_special_tokens=False).ids == server.engine.info.tokenizer.encode(text, False)
+    assert "chat_template" in json.loads(files.read("tokenizer_config.json"))
+
+
+def test_flush_cache_and_the_rpcs_llamastream_does_not_implement(vllm):
+    assert vllm.FlushCache(common.FlushCacheRequest(), timeout=5).success
+    calls = [lambda: vllm.Embed(vpb.EmbedRequest(), timeout=5),
+             lambda: vllm.StartProfile(common.StartProfileRequest(), timeout=5),
+             lambda: list(vllm.SubscribeKvEvents(common.SubscribeKvEventsRequest(), timeout=5))]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and e.value.details()
