@@ -77,3 +77,56 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class GatewayProcess:
+    """The Shepherd Model Gateway (`smg launch`, the smg package) on a free port in front
+    of `workers` (gRPC addresses), reading the tokenizer from `model_path`; ready once it
+    answers a completion through them."""
+
+    def __init__(self, workers: list[str], model_path: Path, *args: str):
+        self.port, self.model = free_port(), Path(model_path).name  # (smg names the model after its folder)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile("w+")
+        smg = Path(sys.executable).with_name("smg")
+        self.proc = subprocess.Popen(
+            [str(smg), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--model-path", str(model_path),
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             "--worker-urls", *[f"grpc://{w}" for w in workers], *args],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def __enter__(self) -> "GatewayProcess":
+        import json
+        import urllib.request
+
+        body = json.dumps({"model": self.model, "prompt": "Hi", "max_tokens": 1}).encode()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"smg exited with {self.proc.returncode}:\n{self.output()}")
+            request = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    if response.status == 200:
+                        return self
+            time.sleep(0.3)
+        output = self.output()
+        self.stop()
+        raise TimeoutError(f"smg did not serve in 60 s:\n{output}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
