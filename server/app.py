@@ -78,6 +78,7 @@ class ServerConfig:
     auth_health_and_reflection: bool = False  # the token is needed for those too
     log_prompts: bool = False
     metrics_port: int | None = None  # Prometheus /metrics over HTTP (0: any free port)
+    vllm_metric_names: bool = False  # also the gauges gateways read, under vLLM's names
 
 
 class LoadingProgress:
@@ -153,7 +154,7 @@ class Server:
         self.engine: EngineClient | None = None
         self.requests: Requests | None = None
         self.exit_code = 0  # 1 once the engine has failed
-        self.observer = Observer()
+        self.observer = Observer(cfg.vllm_metric_names)
         if cfg.metrics_port is not None:
             self.metrics_port = self.observer.serve_http(
                 cfg.host, cfg.metrics_port, live=lambda: self.exit_code == 0,

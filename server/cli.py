@@ -79,6 +79,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-prompts", action="store_true", help="log each request's prompt (never logged otherwise)")
     p.add_argument("--metrics-port", type=PORT,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics, and /healthz and /readyz")
+    p.add_argument("--vllm-metric-names", action="store_true",
+                   help="also give the gauges gateways read under vLLM's names (vllm:num_requests_running, "
+                        "vllm:num_requests_waiting, vllm:kv_cache_usage_perc), for the Gateway API Inference Extension")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="text (one line a record, control characters escaped) or json (one object a line)")

@@ -39,11 +39,18 @@ class RequestRecord:
 
 class _EngineCollector:
     """Engine state, read at scrape time: running and waiting sequences, KV blocks,
-    preemptions (nothing until the engine is there)."""
+    preemptions (nothing until the engine is there). With `vllm_names`, the gauges that
+    gateways read (the Gateway API Inference Extension's model-server protocol) are
+    also given under vLLM's names."""
 
-    def __init__(self) -> None:
+    VLLM_NAMES = {"llamastream:num_requests_running": "vllm:num_requests_running",
+                  "llamastream:num_requests_waiting": "vllm:num_requests_waiting",
+                  "llamastream:kv_cache_usage_perc": "vllm:kv_cache_usage_perc"}
+
+    def __init__(self, vllm_names: bool) -> None:
         self.stats: Callable[[], EngineStats] | None = None
         self.num_blocks = 0
+        self.vllm_names = vllm_names
 
     def collect(self):
         if self.stats is None:
@@ -54,9 +61,13 @@ class _EngineCollector:
             ("llamastream:num_requests_waiting", "Sequences waiting to be scheduled.", stats.waiting),
             ("llamastream:kv_cache_blocks_used", "KV-cache blocks held by sequences.", self.num_blocks - stats.kv_blocks_free),
             ("llamastream:kv_cache_blocks_free", "KV-cache blocks free.", stats.kv_blocks_free),
+            ("llamastream:kv_cache_usage_perc", "Fraction of the KV cache's blocks held by sequences (1 = all).",
+             (self.num_blocks - stats.kv_blocks_free) / max(1, self.num_blocks)),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+            if self.vllm_names and name in self.VLLM_NAMES:
+                yield GaugeMetricFamily(self.VLLM_NAMES[name], doc, value=value)
         yield GaugeMetricFamily("llamastream:kv_cache_blocks_evictable",
                                 "KV-cache blocks that hold a cached prefix and no sequence (counted as free).",
                                 value=stats.kv_blocks_evictable)
@@ -88,7 +99,7 @@ class _Endpoints(BaseHTTPRequestHandler):
 
 
 class Observer:
-    def __init__(self) -> None:
+    def __init__(self, vllm_names: bool = False) -> None:
         self._http: ThreadingHTTPServer | None = None
         self.registry = CollectorRegistry()
         r = self.registry
@@ -101,7 +112,7 @@ class Observer:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("llamastream:e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self._engine = _EngineCollector()
+        self._engine = _EngineCollector(vllm_names)
         r.register(self._engine)
 
     def watch_engine(self, stats: Callable[[], EngineStats], num_blocks: int) -> None:

@@ -132,3 +132,20 @@ def test_cancelled_and_expired_streams_are_logged_and_counted_as_such(caplog):
     # (a request that expires before its prompt is tokenized logs no token counts)
     assert m[("llamastream:generation_tokens_total", ())] == sum(r.get("completion_tokens", 0) for r in records.values()) > 5
     assert m[("llamastream:prompt_tokens_total", ())] == sum(r.get("prompt_tokens", 0) for r in records.values()) > 0
+
+
+def test_the_gauges_gateways_read_are_also_under_vllm_names():
+    server = local_server(metrics_port=0, vllm_metric_names=True)
+    try:
+        client = stub(f"127.0.0.1:{server.port}")
+        call = client.Generate(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(temperature=0.0),
+                                                  stop=pb.StopCriteria(max_tokens=900, ignore_eos=True)), timeout=60)
+        next(call), next(call)  # (started, and a first token: it runs)
+        m = scrape(server.metrics_port)
+        call.cancel()
+    finally:
+        server.drain()
+    assert m[("vllm:num_requests_running", ())] == m[("llamastream:num_requests_running", ())] == 1
+    assert m[("vllm:num_requests_waiting", ())] == 0
+    usage = m[("llamastream:kv_cache_blocks_used", ())] / 64
+    assert m[("vllm:kv_cache_usage_perc", ())] == m[("llamastream:kv_cache_usage_perc", ())] == usage > 0
