@@ -43,8 +43,9 @@ class ServerProcess:
     given the port after it). Its output goes to a file: a pipe that nobody reads
     fills up with the request log, and the server stalls on its next line."""
 
-    def __init__(self, *args: str, command: tuple[str, ...] = ("-m", "server", "serve", "--host", "127.0.0.1", "--port")):
-        self.port = free_port()
+    def __init__(self, *args: str, command: tuple[str, ...] = ("-m", "server", "serve", "--host", "127.0.0.1", "--port"),
+                 port: int | None = None):
+        self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(

@@ -26,6 +26,9 @@ def check_listen_address(host: str, port: int, flag: str) -> None:
                             "machine, such as 0.0.0.0 (every interface) or 127.0.0.1") from e
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as s:
+        # As grpc binds: a port whose old connections linger (TIME_WAIT, after a restart)
+        # is free; one another server listens on is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(address)
         except OSError as e:

@@ -5,9 +5,10 @@ engine protocol to two llamastream replicas and the OpenAI API to clients: the o
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import subprocess
+import threading
+import time
 
 import openai
 import pytest
@@ -28,15 +29,12 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def replicas(model_dir):
     """Two `llamastream serve` processes, each with its metrics on a port of its own."""
-    with contextlib.ExitStack() as stack:
-        servers = []
-        for _ in range(2):
-            metrics_port = free_port()
-            server = stack.enter_context(ServerProcess("--model", str(model_dir), "--device", "cpu",
-                                                       "--metrics-port", str(metrics_port)))
-            server.metrics_port = metrics_port
-            servers.append(server)
+    servers = [replica(model_dir), replica(model_dir)]
+    try:
         yield servers
+    finally:
+        for server in servers:
+            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +92,93 @@ def test_requests_are_spread_over_both_replicas(client, replicas, model_dir):
     assert all(answers)
     served = [ok_requests(r) - b for r, b in zip(replicas, before)]
     assert sum(served) == 64 and min(served) >= 16, served
+
+
+def test_a_killed_replica_is_routed_around_and_serves_again_once_restarted(model_dir):
+    """While 50 streams run, one replica is killed: streams cut on it end with an error the
+    client sees, the others and every later request succeed on the other replica; restarted
+    on its port, the killed one gets requests again."""
+    first, second = replica(model_dir), replica(model_dir)
+    try:
+        with watched_gateway(first, second, model_dir) as gateway:
+            streaming = threading.Event()
+            stream = streamer(gateway, model_dir, streaming)
+            with concurrent.futures.ThreadPoolExecutor(50) as pool:
+                futures = [pool.submit(stream, i) for i in range(50)]
+                assert streaming.wait(timeout=60)
+                first.proc.kill()
+                outcomes = [f.result(timeout=120) for f in futures]
+            counts = {kind: outcomes.count(kind) for kind in ("ok", "error", "cut")}
+            print(f"\nkilled mid-load: {counts}")
+            assert counts["ok"] >= 25 and sum(counts.values()) == 50  # (every one ended: none hangs)
+            after = [stream(i) for i in range(10)]
+            assert after == ["ok"] * 10  # all on the survivor
+            first.stop()
+            first = replica(model_dir, first.port)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                stream(0)
+                if scrape(first.metrics_port).get(("llamastream:requests_total", (("status", "OK"),)), 0) > 0:
+                    break
+            else:
+                raise AssertionError("the restarted replica got no request in 30 s")
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_draining_replica_finishes_its_streams_and_no_request_fails(model_dir):
+    """SIGTERM to one replica while streams run on both and more keep coming: its streams
+    finish, new requests go to the other one, and every client request succeeds."""
+    first, second = replica(model_dir), replica(model_dir)
+    try:
+        with watched_gateway(first, second, model_dir) as gateway:
+            streaming = threading.Event()
+            stream = streamer(gateway, model_dir, streaming)
+            with concurrent.futures.ThreadPoolExecutor(40) as pool:
+                early = [pool.submit(stream, i) for i in range(20)]
+                assert streaming.wait(timeout=60)
+                first.terminate()
+                late = [pool.submit(stream, i) for i in range(20, 40)]
+                outcomes = [f.result(timeout=120) for f in early + late]
+            assert outcomes == ["ok"] * 40
+            assert first.proc.wait(timeout=60) == 0
+    finally:
+        first.stop()
+        second.stop()
+
+
+def replica(model_dir, port: int | None = None) -> ServerProcess:
+    """A `llamastream serve` process, SERVING, with its metrics on a port of its own."""
+    metrics_port = free_port()
+    server = ServerProcess("--model", str(model_dir), "--device", "cpu", "--metrics-port", str(metrics_port), port=port)
+    server.__enter__()
+    server.metrics_port = metrics_port
+    return server
+
+
+def watched_gateway(first: ServerProcess, second: ServerProcess, model_dir) -> GatewayProcess:
+    """The gateway in front of two replicas, checking their health every second."""
+    return GatewayProcess([first.address, second.address], model_dir, "--policy", "round_robin",
+                          "--health-check-interval-secs", "1", "--health-failure-threshold", "1")
+
+
+def streamer(gateway: GatewayProcess, model_dir, streaming: threading.Event | None = None):
+    """A function that streams one completion through the gateway: "ok"; "error" if the
+    client saw the request fail, "cut" if its stream ended with no finish reason;
+    `streaming` is set once a stream has text."""
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="not-needed", max_retries=0, timeout=60)
+
+    def stream(i: int) -> str:
+        text, finished = "", False
+        try:
+            for chunk in client.completions.create(model=model_dir.name, prompt=f"Story {i}:", max_tokens=48,
+                                                   temperature=0, stream=True):
+                text += "".join(c.text for c in chunk.choices)
+                finished = finished or any(c.finish_reason for c in chunk.choices)
+                if text and streaming is not None:
+                    streaming.set()
+        except openai.APIError:
+            return "error"
+        return "ok" if text and finished else "cut"  # (a stream that ended without a finish reason was cut)
+    return stream
