@@ -61,7 +61,7 @@ def sampling_params(p: vpb.SamplingParams) -> SamplingParams:
     """Our SamplingParams for vLLM's, with vLLM's meaning of proto3's zero defaults
     (top_p 0 and repetition_penalty 0 are unset; top_k 0 is no limit)."""
     for field, what in _UNSUPPORTED_SAMPLING.items():
-        if field == "logit_bias" and p.logit_bias or field != "logit_bias" and _is_set(p, field):
+        if _is_set(p, field):
             raise _refusal(f"sampling_params.{field}", what)
     constraint = p.WhichOneof("constraint")
     if constraint in _CONSTRAINTS:
@@ -92,7 +92,7 @@ def sampling_params(p: vpb.SamplingParams) -> SamplingParams:
 def _is_set(message, field: str) -> bool:
     try:
         return message.HasField(field)
-    except ValueError:  # (a scalar without presence: set when not its zero value)
+    except ValueError:  # (a scalar without presence, or a map: set when not empty or zero)
         return bool(getattr(message, field))
 
 
@@ -126,6 +126,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         for field, what in _UNSUPPORTED.items():
             if _is_set(request, field):
                 raise _refusal(field, what)
+        if request.data_parallel_rank:
+            raise InvalidRequest(f"data_parallel_rank is {request.data_parallel_rank}: llamastream runs one rank, 0")
         kind = request.WhichOneof("input")
         if kind == "tokenized":
             ids = list(request.tokenized.input_ids)

@@ -182,3 +182,26 @@ def streamer(gateway: GatewayProcess, model_dir, streaming: threading.Event | No
             return "error"
         return "ok" if text and finished else "cut"  # (a stream that ended without a finish reason was cut)
     return stream
+
+
+def test_with_a_cache_aware_policy_a_shared_system_prompt_is_mostly_found_cached(model_dir):
+    """20 chats that share a long system prompt, one after another, through the gateway's
+    cache-aware policy: they mostly land on the replica that holds the prompt, so most
+    of their prompt tokens come from its prefix cache."""
+    system = " ".join(f"Rule {i}: answer briefly and politely, in plain words." for i in range(40))
+    replicas = [replica(model_dir), replica(model_dir)]
+    try:
+        with GatewayProcess([r.address for r in replicas], model_dir, "--policy", "cache_aware") as gateway:
+            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="not-needed", max_retries=0, timeout=60)
+            prompt_tokens = 0
+            for i in range(20):
+                out = client.chat.completions.create(
+                    model=model_dir.name, max_tokens=2, temperature=0,
+                    messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}])
+                prompt_tokens += out.usage.prompt_tokens
+            hits = [scrape(r.metrics_port).get(("llamastream:prefix_cache_hits_total", ()), 0) for r in replicas]
+        print(f"\ncache-aware routing: {sum(hits):.0f} of {prompt_tokens} prompt tokens cached (by replica: {hits})")
+        assert sum(hits) >= 0.8 * prompt_tokens
+    finally:
+        for r in replicas:
+            r.stop()

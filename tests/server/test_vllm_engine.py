@@ -95,6 +95,7 @@ def test_logprobs_stop_strings_and_stop_tokens(server, vllm):
 @pytest.mark.parametrize("fields, sampling, named", [
     (dict(mm_inputs=vpb.MultimodalInputs(im_token_id=3)), {}, "mm_inputs"),
     (dict(kv_transfer_params=vpb.KvTransferParams(remote_host="h", remote_port=1)), {}, "kv_transfer_params"),
+    (dict(data_parallel_rank=1), {}, "data_parallel_rank"),
     ({}, dict(n=2), "sampling_params.n"),
     ({}, dict(json_schema='{"type": "object"}'), "sampling_params.json_schema"),
     ({}, dict(choice=vpb.ChoiceConstraint(choices=["a", "b"])), "sampling_params.choice"),
