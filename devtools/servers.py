@@ -12,8 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server.gateway import wait_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,20 +21,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_serving(address: str, timeout: float = 120, server: ServerProcess | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if server is not None and server.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {server.proc.returncode}:\n{server.output()}")
-            with contextlib.suppress(grpc.RpcError):
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(0.2)
-    raise TimeoutError(f"the server at {address} did not become SERVING in {timeout} s")
 
 
 class ServerProcess:
@@ -61,7 +46,11 @@ class ServerProcess:
 
     def __enter__(self) -> "ServerProcess":
         try:
-            wait_serving(self.address, server=self)
+            wait_serving(self.address, self.proc, timeout=120)
+        except RuntimeError as e:
+            output = self.output()
+            self.stop()
+            raise RuntimeError(f"{e}:\n{output}") from None
         except Exception:
             self.stop()
             raise

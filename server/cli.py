@@ -92,6 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_args(sub.add_parser("serve", help="serve a model over gRPC"))
+    gateway = sub.add_parser("gateway", help="N replicas of `serve` and the Shepherd Model Gateway in front (OpenAI API)",
+                             description="Start --replicas servers on consecutive ports from --grpc-port and the "
+                                         "Shepherd Model Gateway (smg) in front of them on --port; restart a replica "
+                                         "that exits. Options after -- go to every `serve`.")
+    gateway.add_argument("--replicas", type=POSITIVE, default=2, help="servers to start (default 2)")
+    gateway.add_argument("--host", default="0.0.0.0", help="address of the OpenAI endpoint (default 0.0.0.0)")
+    gateway.add_argument("--port", type=PORT, default=8000, help="port of the OpenAI endpoint (default 8000)")
+    gateway.add_argument("--grpc-port", type=PORT, default=50051, help="the first replica's port (default 50051)")
+    gateway.add_argument("--model", help="a Hugging Face directory or a GGUF file (default: the embedded model)")
+    gateway.add_argument("--policy", default="cache_aware", help="the gateway's routing policy (default cache_aware)")
+    gateway.add_argument("--gateway-metrics-port", type=PORT, default=29000,
+                         help="port of the gateway's own Prometheus metrics (default 29000)")
+    gateway.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then options for every `serve`")
     convert = sub.add_parser("convert-gguf", help="write a GGUF model as a Hugging Face directory")
     convert.add_argument("gguf", help="input .gguf file")
     convert.add_argument("out_dir", help="output directory")
@@ -108,6 +121,17 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("llamastream").error("convert-gguf: %s", e)
             return 1
         return 0
+
+    if args.command == "gateway":
+        from server.gateway import ReplicaSet, model_directory
+
+        try:
+            serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+            return ReplicaSet(args.replicas, args.grpc_port, args.host, args.port, model_directory(args.model),
+                              serve_args, args.policy, args.gateway_metrics_port).run()
+        except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
+            logging.getLogger("llamastream").error("gateway: %s", e)
+            return 1
 
     from server.app import Server
 
