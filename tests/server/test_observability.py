@@ -41,6 +41,10 @@ def test_metrics_and_request_log_agree_with_what_was_sent(caplog, engine_process
             with pytest.raises(grpc.RpcError):
                 collect(client.Generate(pb.GenerateRequest(request_id="bad", prompt="x",
                                                            sampling=pb.SamplingParams(top_p=5.0)), timeout=10))
+            # (grpc sends a refusal's status before the handler has counted it)
+            deadline = time.monotonic() + 10
+            while len([r for r in caplog.records if r.name == "llamastream.requests"]) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
             m = scrape(server.metrics_port)
         finally:
             server.drain()
