@@ -259,6 +259,7 @@ class Server:
         grpc's own stop() would answer new calls CANCELLED, so it comes last.
         """
         log.info("draining: up to %.0f s for %d in-flight requests", self.cfg.grace, self.engine.num_in_flight())
+        self.requests.draining.set()
         self.requests.accepting.clear()
         self._on_aio(self.health.enter_graceful_shutdown())
         if not self._wait_until_idle(self.cfg.grace):

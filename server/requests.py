@@ -35,6 +35,7 @@ class Requests:
         self.max_in_flight = max_in_flight
         self.log_prompts = log_prompts  # prompts are never logged otherwise
         self.accepting = threading.Event()  # set once warmed up; cleared when draining
+        self.draining = threading.Event()  # set when draining begins
         # Tokenizing and rendering a chat take up to seconds for megabytes of prompt: off
         # the event loop, which every stream and health check shares.
         self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")

@@ -192,8 +192,13 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     async def HealthCheck(self, request, context: grpc.aio.ServicerContext) -> vpb.HealthCheckResponse:
         if not self.engine.alive:
             return vpb.HealthCheckResponse(healthy=False, message=f"the engine has stopped: {self.engine.fatal_error}")
+        if self.requests.draining.is_set():
+            # Still healthy: a gateway stops reading the streams of a worker it takes for
+            # unhealthy, and these must finish. New calls are refused (UNAVAILABLE), and
+            # retried elsewhere; the worker leaves the pool when it exits.
+            return vpb.HealthCheckResponse(healthy=True, message="draining: new requests are refused")
         if not self.requests.accepting.is_set():
-            return vpb.HealthCheckResponse(healthy=False, message="loading or draining")
+            return vpb.HealthCheckResponse(healthy=False, message="loading")
         return vpb.HealthCheckResponse(healthy=True, message="serving")
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext) -> vpb.GetModelInfoResponse:

@@ -137,6 +137,28 @@ def test_a_killed_replica_is_routed_around_and_serves_again_once_restarted(model
         second.stop()
 
 
+def test_a_draining_replica_finishes_its_streams_and_no_request_fails(model_dir):
+    """SIGTERM to one replica while streams run on both and more keep coming: its streams
+    finish, new requests go to the other one, and every client request succeeds."""
+    first, second = replica(model_dir), replica(model_dir)
+    try:
+        with watched_gateway(first, second, model_dir) as gateway:
+            streaming = threading.Event()
+            stream = streamer(gateway, model_dir, streaming)
+            with concurrent.futures.ThreadPoolExecutor(40) as pool:
+                early = [pool.submit(stream, i) for i in range(20)]
+                assert streaming.wait(timeout=60)
+                first.terminate()
+                late = [pool.submit(stream, i) for i in range(20, 40)]
+                outcomes = [f.result(timeout=120) for f in early + late]
+            assert outcomes == ["ok"] * 40
+            assert first.proc.wait(timeout=60) == 0
+            assert "grace ran out" not in first.output()
+    finally:
+        first.stop()
+        second.stop()
+
+
 def replica(model_dir, port: int | None = None) -> ServerProcess:
     """A `llamastream serve` process, SERVING, with its metrics on a port of its own."""
     metrics_port = free_port()
