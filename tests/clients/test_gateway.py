@@ -85,9 +85,6 @@ def test_curl_gets_well_formed_server_sent_events(gateway, model_dir):
 
 
 def test_requests_are_spread_over_both_replicas(client, replicas, model_dir):
-    def ok_requests(server) -> float:
-        metrics = scrape(server.metrics_port)
-        return metrics.get(("llamastream:requests_total", (("status", "OK"),)), 0.0)
     before = [ok_requests(r) for r in replicas]
 
     def ask(i: int) -> str:
@@ -108,55 +105,41 @@ def test_a_killed_replica_is_routed_around_and_serves_again_once_restarted(model
     """While 50 streams run, one replica is killed: streams cut on it end with an error the
     client sees, the others and every later request succeed on the other replica; restarted
     on its port, the killed one gets requests again."""
-    first, second = replica(model_dir), replica(model_dir)
-    try:
-        with watched_gateway(first, second, model_dir) as gateway:
-            streaming = threading.Event()
-            stream = streamer(gateway, model_dir, streaming)
-            with concurrent.futures.ThreadPoolExecutor(50) as pool:
-                futures = [pool.submit(stream, i) for i in range(50)]
-                assert streaming.wait(timeout=60)
-                first.proc.kill()
-                outcomes = [f.result(timeout=120) for f in futures]
-            counts = {kind: outcomes.count(kind) for kind in ("ok", "error", "cut")}
-            print(f"\nkilled mid-load: {counts}")
-            assert counts["ok"] >= 25 and sum(counts.values()) == 50  # (every one ended: none hangs)
-            after = [stream(i) for i in range(10)]
-            assert after == ["ok"] * 10  # all on the survivor
-            first.stop()
-            first = replica(model_dir, first.port)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                stream(0)
-                if scrape(first.metrics_port).get(("llamastream:requests_total", (("status", "OK"),)), 0) > 0:
-                    break
-            else:
-                raise AssertionError("the restarted replica got no request in 30 s")
-    finally:
-        first.stop()
-        second.stop()
+    with replicas_behind_gateway(model_dir) as (servers, stream, streaming):
+        with concurrent.futures.ThreadPoolExecutor(50) as pool:
+            futures = [pool.submit(stream, i) for i in range(50)]
+            assert streaming.wait(timeout=60)
+            servers[0].proc.kill()
+            outcomes = [f.result(timeout=120) for f in futures]
+        counts = {kind: outcomes.count(kind) for kind in ("ok", "error", "cut")}
+        print(f"\nkilled mid-load: {counts}")
+        assert counts["ok"] >= 25 and sum(counts.values()) == 50  # (every one ended: none hangs)
+        after = [stream(i) for i in range(10)]
+        assert after == ["ok"] * 10  # all on the survivor
+        servers[0].stop()
+        servers[0] = replica(model_dir, servers[0].port)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            stream(0)
+            if ok_requests(servers[0]) > 0:
+                break
+        else:
+            raise AssertionError("the restarted replica got no request in 30 s")
 
 
 def test_a_draining_replica_finishes_its_streams_and_no_request_fails(model_dir):
     """SIGTERM to one replica while streams run on both and more keep coming: its streams
     finish, new requests go to the other one, and every client request succeeds."""
-    first, second = replica(model_dir), replica(model_dir)
-    try:
-        with watched_gateway(first, second, model_dir) as gateway:
-            streaming = threading.Event()
-            stream = streamer(gateway, model_dir, streaming)
-            with concurrent.futures.ThreadPoolExecutor(40) as pool:
-                early = [pool.submit(stream, i) for i in range(20)]
-                assert streaming.wait(timeout=60)
-                first.terminate()
-                late = [pool.submit(stream, i) for i in range(20, 40)]
-                outcomes = [f.result(timeout=120) for f in early + late]
-            assert outcomes == ["ok"] * 40
-            assert first.proc.wait(timeout=60) == 0
-            assert "grace ran out" not in first.output()
-    finally:
-        first.stop()
-        second.stop()
+    with replicas_behind_gateway(model_dir) as (servers, stream, streaming):
+        with concurrent.futures.ThreadPoolExecutor(40) as pool:
+            early = [pool.submit(stream, i) for i in range(20)]
+            assert streaming.wait(timeout=60)
+            servers[0].terminate()
+            late = [pool.submit(stream, i) for i in range(20, 40)]
+            outcomes = [f.result(timeout=120) for f in early + late]
+        assert outcomes == ["ok"] * 40
+        assert servers[0].proc.wait(timeout=60) == 0
+        assert "grace ran out" not in servers[0].output()
 
 
 def replica(model_dir, port: int | None = None) -> ServerProcess:
@@ -168,10 +151,24 @@ def replica(model_dir, port: int | None = None) -> ServerProcess:
     return server
 
 
-def watched_gateway(first: ServerProcess, second: ServerProcess, model_dir) -> GatewayProcess:
-    """The gateway in front of two replicas, checking their health every second."""
-    return GatewayProcess([first.address, second.address], model_dir, "--policy", "round_robin",
-                          "--health-check-interval-secs", "1", "--health-failure-threshold", "1")
+def ok_requests(server: ServerProcess) -> float:
+    """The requests a replica has answered with OK, from its metrics."""
+    return scrape(server.metrics_port).get(("llamastream:requests_total", (("status", "OK"),)), 0.0)
+
+
+@contextlib.contextmanager
+def replicas_behind_gateway(model_dir):
+    """Two replicas (a list: a test may replace one) behind a gateway that checks their
+    health every second; a streamer through it, and the event it sets once streaming."""
+    servers = [replica(model_dir), replica(model_dir)]
+    try:
+        with GatewayProcess([s.address for s in servers], model_dir, "--policy", "round_robin",
+                            "--health-check-interval-secs", "1", "--health-failure-threshold", "1") as gateway:
+            streaming = threading.Event()
+            yield servers, streamer(gateway, model_dir, streaming), streaming
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def streamer(gateway: GatewayProcess, model_dir, streaming: threading.Event | None = None):
