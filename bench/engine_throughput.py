@@ -100,8 +100,8 @@ def main() -> None:
     print(f"{B:>8} | {generated:>13} | {steps:>6} | {elapsed:8.1f} | {generated / elapsed:12.0f} | {theirs:>18} | "
           f"{B / step_s:11.0f}")
     graphs = backend.graphs
-    print(f"(CUDA graph replays: {graphs.replays if graphs else 0} of {steps} steps; KV blocks: {blocks}; the cache and "
-          f"{len(graphs.buckets) if graphs else 0} graphs ready in {ready_s:.2f} s)")
+    print(f"(CUDA graph replays: {graphs.decode_replays + graphs.prompt_replays if graphs else 0} of {steps} steps; KV blocks: {blocks}; the cache and "
+          f"{len(graphs.graphs) if graphs else 0} graphs ready in {ready_s:.2f} s)")
     timeline.report(elapsed)
 
 

@@ -109,7 +109,7 @@ def graph_step_times(model) -> None:
     for _ in range(20):
         engine.step()
     walls, gpus = [], []
-    replay = backend.graphs.graphs[1][2]
+    replay = backend.graphs.graphs["decode", 1][2]
     for _ in range(50):
         start = time.perf_counter()
         engine.step()

@@ -95,3 +95,15 @@ def test_single_token_steps_fuse_where_the_layer_allows(model):
         assert decode["head_rmsnorm"] == decode["rope_and_cache"] == layers and "gemv_rmsnorm_rope" not in decode
     else:
         assert decode["gemv_rmsnorm_rope"] == layers and "rope_and_cache" not in decode
+
+
+def test_a_prompts_last_chunk_replays_a_graph_when_short(model):
+    """A short prompt, and the last chunk of a long one (as the rest of a prompt past a
+    cached prefix is), run as one replay of a prompt graph; a chunk that samples nothing
+    or is longer than the largest bucket runs eagerly."""
+    steps = engine_steps(model, [([i % 500 for i in range(300)], dict(GREEDY, max_tokens=2))], cuda_graphs=True)
+    first, last = (Counter(launch.kernel for launch in step) for step in steps[:2])
+    assert first["embedding_gather"] == 1 and "cuGraphLaunch" not in first  # 256 tokens that sample nothing
+    assert last["cuGraphLaunch"] == 1 and "embedding_gather" not in last  # the other 44, sampling
+    steps = engine_steps(model, [(list(range(1, 20)), dict(GREEDY, max_tokens=2))], cuda_graphs=True)
+    assert all(Counter(launch.kernel for launch in step)["cuGraphLaunch"] == 1 for step in steps)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.backends.cuda.step_metadata import (
     FIELDS, GENERATED_TILE, PARTITION, PROMPT_TILE, SMALL_DECODE, SMALL_DECODE_PARTITION, StepShape, attention_partition,
-    build_metadata, decode_shape, field_sizes, step_shape,
+    build_metadata, decode_shape, field_sizes, prompt_shape, step_shape,
 )
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
@@ -21,8 +22,9 @@ def naive(batch: list[ScheduledSeq], shape: StepShape, previous: dict[Sequence, 
     """One token at a time, straight from the definitions: generated tokens from row 0,
     prompt tokens from row shape.generated_rows, padding rows everywhere else; a
     pending token as -(its index in the previous step's samples + 1)."""
-    T = shape.tokens
-    f = {"ids": [0] * T, "positions": [0] * T, "slots": [DUMMY * BLOCK] * T, "token_seq": [t % shape.seqs for t in range(T)]}
+    T, n = shape.tokens, len(batch)
+    padding_seq = [n + t % (shape.seqs - n) if shape.seqs > n else t % shape.seqs for t in range(T)]
+    f = {"ids": [0] * T, "positions": [0] * T, "slots": [DUMMY * BLOCK] * T, "token_seq": padding_seq}
     next_row = {True: 0, False: shape.generated_rows}
     f["sample_rows"], f["tables"], f["prompt_tiles"] = [], [], []
     for i, s in enumerate(batch):
@@ -42,10 +44,15 @@ def naive(batch: list[ScheduledSeq], shape: StepShape, previous: dict[Sequence, 
             f["token_seq"][r] = i
         if s.samples:
             f["sample_rows"].append(r)
-    assert next_row[True] <= shape.generated and next_row[False] - shape.generated_rows == shape.prompt
+    assert next_row[True] <= shape.generated and next_row[False] - shape.generated_rows <= shape.prompt
     used = set(range(next_row[True])) | set(range(shape.generated_rows, next_row[False]))
     padding = [t for t in range(T) if t not in used]
     f["sample_rows"] += padding[: shape.samples - len(f["sample_rows"])]
+    # a graph's spare query tiles: over its padding prompt rows, then the last tile again
+    spare = [t for t in padding if t >= shape.generated_rows]
+    while len(f["prompt_tiles"]) < 2 * shape.prompt_tiles:
+        f["prompt_tiles"] += [spare[0], min(QUERY_ROWS, len(spare))] if spare else f["prompt_tiles"][-2:]
+        spare = spare[QUERY_ROWS:]
     f["all_rows"] = list(range(T))
     for i in range(shape.seqs):
         table = batch[i].seq.block_table.tolist() if i < len(batch) else []
@@ -78,6 +85,8 @@ def test_metadata_matches_the_per_token_definition(batch, padding, invariant):
     shape = step_shape(batch, query_rows=QUERY_ROWS, invariant=invariant)
     if padding and all(s.num_tokens == 1 and s.samples and s.start >= len(s.seq.prompt_ids) for s in batch):
         shape = decode_shape(len(batch) + padding, max_blocks=shape.max_blocks + 2, max_context=4096, invariant=invariant)  # a graph's
+    elif len(batch) == 1 and batch[0].samples and shape.prompt == batch[0].num_tokens:  # a prompt graph's
+        shape = prompt_shape(shape.prompt + padding, shape.max_blocks + 2, 4096, QUERY_ROWS, invariant)
     previous = {s.seq: 7 * i + 2 for i, s in enumerate(batch)}  # (any distinct places)
     got = build_metadata(batch, shape, BLOCK, DUMMY, QUERY_ROWS, previous)
     expected = naive(batch, shape, previous)
@@ -96,9 +105,11 @@ def test_sequence_token_slices():
             assert seq.tokens(a, b) == full[a:b]
 
 
-def test_an_empty_batch_is_all_padding():
+@pytest.mark.parametrize("shape", [decode_shape(3, max_blocks=2, max_context=4096, invariant=True),
+                                   prompt_shape(8, max_blocks=2, max_context=4096, query_rows=QUERY_ROWS, invariant=False)],
+                         ids=["decode", "prompt"])
+def test_an_empty_batch_is_all_padding(shape):
     """(what a graph is captured with)"""
-    shape = decode_shape(3, max_blocks=2, max_context=4096, invariant=True)
     f = naive([], shape)
     assert build_metadata([], shape, BLOCK, DUMMY, QUERY_ROWS).tolist() == [v for name in FIELDS for v in f[name]]
 

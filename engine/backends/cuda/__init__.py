@@ -5,7 +5,7 @@
 - buffers.py: a step's device memory, and the paged KV cache
 - step_metadata.py: a step's shape and its metadata array (pure numpy)
 - forward.py: a step's forward pass, each layer's ops launched as our kernels
-- decode_graphs.py: decode steps captured as CUDA graphs; graph.py: the driver calls behind them
+- step_graphs.py: decode steps and short prompt chunks captured as CUDA graphs; graph.py: the driver calls behind them
 - sampler.py: penalties and sampling on the GPU
 - kernels.py: cuda_src/'s kernels compiled, each with its launcher; cublas.py: cuBLAS GEMMs
 

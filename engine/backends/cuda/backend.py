@@ -1,7 +1,7 @@
 """The CUDA backend: the device and its context, and the step protocol the engine
 drives (engine/backends/base.py). One step uploads its token metadata in one copy,
 runs the forward pass on one stream (forward.py, replayed as a CUDA graph where one
-fits: decode_graphs.py), samples on the GPU (sampler.py) and copies back only the
+fits: step_graphs.py), samples on the GPU (sampler.py) and copies back only the
 chosen token ids. `launch` queues all of it and returns, so that the engine's host
 work overlaps the GPU's; up to two steps are in flight."""
 
@@ -18,7 +18,7 @@ from pycuda.tools import DeviceMemoryPool
 from engine.backends.base import MAX_STEPS_IN_FLIGHT, Wait
 from engine.backends.cuda.buffers import KvCache, StepBuffers
 from engine.backends.cuda.cublas import Cublas, CublasError
-from engine.backends.cuda.decode_graphs import DecodeGraphs
+from engine.backends.cuda.step_graphs import PROMPT_BUCKETS, StepGraphs
 from engine.backends.cuda.forward import ForwardPass
 from engine.backends.cuda.kernels import MAX_PART_BLOCKS, Kernels, prefill_query_rows
 from engine.backends.cuda.linear import Linear
@@ -39,7 +39,8 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: int = 0, cuda_graphs: bool = True,
-                 graph_max_batch: int = 256, graph_max_context: int = 4096, batch_invariant: bool = False):
+                 graph_max_batch: int = 256, graph_max_context: int = 4096, prompt_graphs: bool = True,
+                 batch_invariant: bool = False):
         if config.head_dim not in (64, 128) or config.num_heads // config.num_kv_heads > 8:
             raise ValueError("the CUDA attention kernels need head_dim 64 or 128 and at most 8 heads per KV head")
         if config.hidden_size % 8 or config.intermediate_size % 8:
@@ -70,10 +71,10 @@ class CudaBackend:
             self.sampler = GpuSampler(self.kernels, self.stream, config.vocab_size, self.pool.allocate)
             self.stream.synchronize()
         log.info("CUDA backend on %s: %.2f GB of bfloat16 weights", self.device.name(), self.weights.nbytes / 1e9)
-        self._graph_settings = (cuda_graphs, graph_max_batch, graph_max_context)
+        self._graph_settings = (cuda_graphs, graph_max_batch, graph_max_context, PROMPT_BUCKETS if prompt_graphs else ())
         self.cache: KvCache | None = None
         self.forward_pass: ForwardPass | None = None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self._previous_samples: dict[Sequence, int] = {}  # where the last step's tokens sit in `sampled`
 
     @contextlib.contextmanager
@@ -97,7 +98,8 @@ class CudaBackend:
         return max(0, int(budget // self.kv_cache_bytes_per_block(block_size)))
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
-        """The cache, and the CUDA graphs for decode steps of up to `max_batch` sequences."""
+        """The cache, and the CUDA graphs for decode steps of up to `max_batch` sequences
+        and for short prompt chunks."""
         if PARTITION // block_size + 2 > MAX_PART_BLOCKS:
             raise ValueError(f"block size {block_size} is too small for the attention kernel: use at least "
                              f"{-(-PARTITION // (MAX_PART_BLOCKS - 2))}")
@@ -116,12 +118,12 @@ class CudaBackend:
                                             arrivals, self.stream)
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, block_size,
                  num_blocks * block_size, num_blocks * self.kv_cache_bytes_per_block(block_size) / 1e9)
-        enabled, graph_max_batch, max_context = self._graph_settings
+        enabled, graph_max_batch, max_context, prompt_buckets = self._graph_settings
         if enabled:
             with self._context():  # (compiles the kernels' build for graphs and captures them)
-                self.graphs = DecodeGraphs(self.forward_pass, Kernels(*self.kernel_build, programmatic=True),
-                                           self._metadata, min(graph_max_batch, max_batch), max_context,
-                                           self.batch_invariant)
+                self.graphs = StepGraphs(self.forward_pass, Kernels(*self.kernel_build, programmatic=True),
+                                         self._metadata, min(graph_max_batch, max_batch), max_context, self.query_rows,
+                                         self.batch_invariant, prompt_buckets)
 
     def is_fatal(self, error: BaseException) -> bool:
         """A driver or cuBLAS error may leave the context unusable: stop serving."""
@@ -139,7 +141,7 @@ class CudaBackend:
             shape, buffers, replay = graph
             buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)
             replay.launch()
-            return buffers.logits[: len(batch)]
+            return buffers.logits[: sum(s.samples for s in batch)]
         shape = step_shape(batch, self.query_rows, self.batch_invariant)
         buffers = StepBuffers(self.config, shape, lambda dims, dtype: gpuarray.empty(dims, dtype, allocator=self.pool.allocate))
         buffers.meta.set_async(self._metadata(batch, shape), stream=self.stream)

@@ -151,6 +151,15 @@ def decode_shape(batch_size: int, max_blocks: int, max_context: int, invariant: 
                      partitions=math.ceil(max_context / partition), invariant=invariant)
 
 
+def prompt_shape(tokens: int, max_blocks: int, max_context: int, query_rows: int, invariant: bool) -> StepShape:
+    """The shape of a CUDA graph's prompt step: one sequence's last `tokens` (at most)
+    prompt tokens, past a computed (or cached) prefix, in a context of up to
+    `max_context`. Its padding rows are the prompt of a second, dummy sequence, in query
+    tiles of their own (one tile more than the bucket needs, so that they always fit)."""
+    return StepShape(generated=0, generated_rows=0, prompt=tokens, prompt_tiles=-(-tokens // query_rows) + 1, samples=1,
+                     seqs=2, max_blocks=max_blocks, partitions=math.ceil(max_context / PARTITION), invariant=invariant)
+
+
 def _input_ids(s: ScheduledSeq, previous_samples: dict[Sequence, int] | None) -> list[int]:
     """The step's input tokens of `s`, a pending last one as -(its index in the previous step's samples + 1)."""
     tokens, pending = s.seq.step_tokens(s.start, s.start + s.num_tokens)
@@ -187,7 +196,9 @@ def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int,
     f["positions"][row] = positions
     f["slots"][:] = dummy_block * bs
     f["slots"][row] = tables[seq_of_token, positions // bs] * bs + positions % bs
-    f["token_seq"][:] = np.arange(T) % shape.seqs
+    # padding rows belong to the sequences past the batch where a graph has some, so that
+    # each query tile is of one sequence
+    f["token_seq"][:] = n + np.arange(T) % (shape.seqs - n) if shape.seqs > n else np.arange(T) % shape.seqs
     f["token_seq"][row] = seq_of_token
     f["all_rows"][:] = np.arange(T)
     padding = np.ones(T, bool)
@@ -197,6 +208,11 @@ def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int,
     f["sample_rows"][len(sample_rows) :] = np.flatnonzero(padding)[: shape.samples - len(sample_rows)]
     prompt_counts = _prompt_counts(starts, counts, prompt_lens)
     first_rows = shape.generated_rows + np.cumsum(prompt_counts) - prompt_counts
-    f["prompt_tiles"][:] = [x for first, m in zip(first_rows.tolist(), prompt_counts.tolist()) if m
-                            for r in range(first, first + m, query_rows) for x in (r, min(query_rows, first + m - r))]
+    tiles = [(r, min(query_rows, first + m - r)) for first, m in zip(first_rows.tolist(), prompt_counts.tolist()) if m
+             for r in range(first, first + m, query_rows)]
+    if len(tiles) < shape.prompt_tiles:  # a graph's: its padding rows' tiles, then the last one again (same writes)
+        pad = np.flatnonzero(padding[shape.generated_rows:]) + shape.generated_rows
+        tiles += [(int(pad[i]), min(query_rows, len(pad) - i)) for i in range(0, len(pad), query_rows)]
+        tiles += tiles[-1:] * (shape.prompt_tiles - len(tiles))
+    f["prompt_tiles"][:] = [x for tile in tiles[: shape.prompt_tiles] for x in tile]
     return out
