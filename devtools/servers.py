@@ -76,12 +76,13 @@ class GatewayProcess:
 
     def __init__(self, workers: list[str], model_path: Path, *args: str):
         self.port, self.model = free_port(), Path(model_path).name  # (smg names the model after its folder)
+        self.metrics_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
         smg = Path(sys.executable).with_name("smg")
         self.proc = subprocess.Popen(
             [str(smg), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--model-path", str(model_path),
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
              "--worker-urls", *[f"grpc://{w}" for w in workers], *args],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
 

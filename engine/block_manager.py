@@ -13,6 +13,10 @@ contents, in an evictable pool that new allocations take from, least recently us
 first, once the free blocks run out; until then a later request with the same prefix
 claims it instead of computing it again. Only full blocks are shared, and a sequence
 only ever writes past its cached prefix, so no block is written while shared.
+
+With `record_events`, every block that becomes findable and every one that stops
+being findable is recorded (BlocksStored, BlocksRemoved), for a gateway that routes
+requests to where their prefix is cached (server/kv_events.py publishes them).
 """
 
 from __future__ import annotations
@@ -32,6 +36,26 @@ def block_hash(previous: int, tokens: list[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+@dataclass(frozen=True)
+class BlocksStored:
+    """Consecutive full blocks of one prefix became findable: their hashes, the hash of
+    the block before the first (None at the start of a prompt) and their tokens."""
+
+    block_hashes: list[int]
+    parent_hash: int | None
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class BlocksRemoved:
+    """Cached blocks that are no longer findable (evicted or flushed)."""
+
+    block_hashes: list[int]
+
+
+KvEvent = BlocksStored | BlocksRemoved
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at admission
@@ -39,7 +63,7 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, record_events: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
@@ -51,6 +75,14 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}  # hash -> the block that holds it
         self._hash_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (its hash, its tokens)
         self.stats = PrefixCacheStats()
+        self.events: list[KvEvent] | None = [] if record_events else None  # since take_events()
+
+    def take_events(self) -> list[KvEvent]:
+        """The events recorded since the last call, oldest first."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,8 +126,12 @@ class BlockManager:
 
     def _forget(self, block: int) -> None:
         h, _ = self._hash_of.pop(block)
-        if self._by_hash.get(h) == block:
-            del self._by_hash[h]
+        del self._by_hash[h]  # (a block is registered only under a hash no other block holds)
+        if self.events is not None:
+            if self.events and isinstance(self.events[-1], BlocksRemoved):
+                self.events[-1].block_hashes.append(h)
+            else:
+                self.events.append(BlocksRemoved([h]))
 
     # -- the prefix cache -----------------------------------------------------------
     def _known_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
@@ -152,12 +188,28 @@ class BlockManager:
             return
         hashes = self._known_hashes(seq, full)
         bs = self.block_size
+        stored: list[int] = []  # indices of the blocks registered now
         for i in range(registered, full):
             block, h = int(seq.block_table[i]), hashes[i]
             if block not in self._hash_of and h not in self._by_hash:  # (another block may hold it already)
                 self._by_hash[h] = block
                 self._hash_of[block] = (h, tuple(seq.tokens(i * bs, (i + 1) * bs)))
+                stored.append(i)
         seq.num_registered_blocks = full
+        if self.events is not None:
+            self._record_stored(stored, hashes, seq)
+
+    def _record_stored(self, indices: list[int], hashes: list[int], seq: Sequence) -> None:
+        """One BlocksStored for each run of consecutive block indices of `seq`."""
+        bs, runs = self.block_size, []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            self.events.append(BlocksStored([hashes[i] for i in run], hashes[run[0] - 1] if run[0] else None,
+                                            seq.tokens(run[0] * bs, (run[-1] + 1) * bs)))
 
     def free(self, seq: Sequence, keep_cached: bool = True) -> None:
         """Let go of `seq`'s blocks: each that nobody else holds becomes evictable if it

@@ -86,6 +86,7 @@ class EngineLoop:
                         self.engine.add(arg)
                     elif kind == "reset_prefix_cache":
                         log.info("prefix cache flushed: %d blocks freed", self.engine.reset_prefix_cache())
+                        self.publish([])  # (with the engine's state, which the flush changed)
                     else:
                         out = self.engine.abort(arg)
                         if out is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.backends.base import MAX_STEPS_IN_FLIGHT, Backend, Wait
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, KvEvent
 from engine.config import ModelConfig
 from engine.model_loader import LoadedModel
 from engine.output import OutputStream, RequestOutput, Usage
@@ -34,6 +34,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's, within the KV cache
     enable_prefix_caching: bool = True
+    record_kv_events: bool = False  # for take_kv_events (a gateway's cache-aware routing)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ class LLMEngine:
         self.tokenizer = model.tokenizer
         self.backend = backend
         self.config = config
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.record_kv_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         backend.allocate_kv_cache(config.num_kv_blocks, config.block_size, config.max_num_seqs)
         max_model_len = self._context_length(model.config.max_position_embeddings)
@@ -263,3 +265,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget the cached prefixes no request holds; returns the blocks freed."""
         return self.block_manager.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's blocks stored and removed since the last call (with
+        EngineConfig.record_kv_events)."""
+        return self.block_manager.take_events()

@@ -33,6 +33,7 @@ from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server.engine_client import EngineClient, EngineProcess, InProcessEngine
 from server.interceptors import OPEN_SERVICES, BearerTokenAuth, RejectMalformed
+from server.kv_events import KvEventPublisher
 from server.log_format import logging_settings
 from server.observability import Observer
 from server.preflight import SettingsError, check_listen_address, read_token, server_credentials
@@ -115,6 +116,7 @@ def build_engine(cfg: ServerConfig) -> LLMEngine:
         max_num_batched_tokens=cfg.max_num_batched_tokens or max(DEFAULT_TOKEN_BUDGETS[backend.name], cfg.max_num_seqs),
         max_model_len=cfg.max_model_len,
         enable_prefix_caching=cfg.prefix_caching,
+        record_kv_events=cfg.prefix_caching,  # (for VllmEngine's SubscribeKvEvents)
     ))
     return engine
 
@@ -175,6 +177,8 @@ class Server:
         self._aio_thread.start()
         self.requests = Requests(self.engine, OutputHub(self.aio, cfg.max_stream_backlog), self.observer,
                                  cfg.max_num_seqs + cfg.max_waiting, log_prompts=cfg.log_prompts)
+        self.kv_events = KvEventPublisher(self.aio, info.block_size)
+        self.engine.on_kv_events = self.kv_events.publish
         self.health = health.aio.HealthServicer()
         self.port = self._on_aio(self._listen())
 
@@ -188,8 +192,8 @@ class Server:
                    ("grpc.so_reuseport", 0)]  # (with it, a second server on the port would quietly share it)
         self.grpc_server = grpc.aio.server(interceptors=self._interceptors, options=options)
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.requests), self.grpc_server)
-        vpb_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(self.requests, self.cfg.model or "(embedded)"),
-                                                  self.grpc_server)
+        vpb_grpc.add_VllmEngineServicer_to_server(
+            VllmEngineServicer(self.requests, self.kv_events, self.cfg.model or "(embedded)"), self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, VLLM_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

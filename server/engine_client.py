@@ -5,8 +5,8 @@ EngineProcess runs that thread in a process of its own, as vLLM runs its engine 
 the engine's Python then holds a GIL of its own instead of sharing one with the RPC
 loop, and under many streams that sharing, not the GPU, set the pace. The server
 sees one interface either way: it submits checked sequences, each request's outputs
-come to the sink it gave, and the engine's fixed facts (EngineInfo) are at hand
-without asking it.
+come to the sink it gave, the prefix cache's events to `on_kv_events`, and the
+engine's fixed facts (EngineInfo) are at hand without asking it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Callable, Protocol
 
+from engine.block_manager import KvEvent
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineInfo, EngineStats, LLMEngine
 from engine.output import RequestOutput
@@ -43,6 +44,9 @@ class EngineClient(abc.ABC):
         self.info = info
         self.on_fatal = on_fatal  # the engine can no longer run (called once, on the thread that saw it)
         self.fatal_error: str | None = None
+        # Given the prefix cache's events of each step (on the thread that routes outputs),
+        # if set before start(); the engine records them only where its config says so.
+        self.on_kv_events: Callable[[list[KvEvent]], None] | None = None
         self._sinks: dict[str, OutputSink] = {}
         self._lock = threading.Lock()  # guards _sinks: the RPC loop submits, the engine's outputs arrive elsewhere
 
@@ -75,6 +79,10 @@ class EngineClient(abc.ABC):
         for out, sink in zip(outputs, sinks):
             if sink is not None:
                 sink.put(out)
+
+    def _route_kv_events(self, events: list[KvEvent]) -> None:
+        if events and self.on_kv_events:
+            self.on_kv_events(events)
 
     def _fatal(self, error: str) -> None:
         self.fatal_error = error
@@ -111,7 +119,11 @@ class InProcessEngine(EngineClient):
     def __init__(self, engine: LLMEngine, on_fatal: Callable[[str], None] | None = None):
         super().__init__(engine.info, on_fatal)
         self.engine = engine
-        self._loop = EngineLoop(engine, publish=self._route, on_fatal=self._fatal)
+        self._loop = EngineLoop(engine, publish=self._publish, on_fatal=self._fatal)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        self._route(outputs)
+        self._route_kv_events(self.engine.take_kv_events())
 
     def start(self) -> None:
         self._loop.start()
@@ -207,8 +219,9 @@ class EngineProcess(EngineClient):
             while True:
                 message = self._conn.recv()
                 if message[0] == "outputs":
-                    _, outputs, self._stats = message
+                    _, outputs, self._stats, kv_events = message
                     self._route(outputs)
+                    self._route_kv_events(kv_events)
                 else:  # ("fatal", error): its last outputs follow
                     self._fatal(message[1])
         except (EOFError, OSError):
@@ -236,7 +249,8 @@ def _engine_process_main(build: Callable[[], LLMEngine], conn: Connection, log_l
             conn.send(("failed", RuntimeError(f"{type(e).__name__}: {e}")))
         return
     conn.send(("ready", engine.info))
-    loop = EngineLoop(engine, publish=lambda outputs: conn.send(("outputs", outputs, engine.stats())),
+    loop = EngineLoop(engine, publish=lambda outputs: conn.send(("outputs", outputs, engine.stats(),
+                                                                  engine.take_kv_events())),
                       on_fatal=lambda error: conn.send(("fatal", error)))
     loop.start()
     try:

@@ -29,6 +29,7 @@ from engine.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest, SamplingPar
 from engine.sequence import FinishReason, Sequence
 from engine.models import architecture_of
 from server import package_version, protocol
+from server.kv_events import KvEventPublisher, SubscriberTooSlow
 from server.observability import RequestRecord
 from server.requests import Requests
 
@@ -104,8 +105,8 @@ def output_logprobs(logprobs: list[TokenLogprob]) -> vpb.OutputLogProbs:
 
 
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
-    def __init__(self, requests: Requests, model_path: str):
-        self.requests = requests
+    def __init__(self, requests: Requests, kv_events: KvEventPublisher, model_path: str):
+        self.requests, self.kv_events = requests, kv_events
         self.engine = requests.engine
         self.info = requests.engine.info
         self.tokenizer = self.info.tokenizer
@@ -260,8 +261,18 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     async def StopProfile(self, request, context: grpc.aio.ServicerContext):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StopProfile: use bench/profile_server.py to profile llamastream")
 
-    async def SubscribeKvEvents(self, request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "SubscribeKvEvents: llamastream does not publish KV-cache events yet; route on load")
-        yield common.KvEventBatch()  # (never reached: makes this a stream handler)
+    # -- the prefix cache's events -----------------------------------------------------
+    async def SubscribeKvEvents(self, request: common.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext):
+        """Blocks stored in and removed from the prefix cache, a batch per engine step
+        (server/kv_events.py), until the caller hangs up."""
+        if not self.info.prefix_caching:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "SubscribeKvEvents: this server runs with "
+                                "--no-prefix-caching, so there are no cached blocks to report")
+        await context.send_initial_metadata(())  # (a subscriber waits for the stream's headers, not for a batch)
+        try:
+            async for batch in self.kv_events.subscribe(request.start_sequence_number):
+                yield batch
+        except SubscriberTooSlow:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "SubscribeKvEvents: the subscriber left too many "
+                                "batches unread; subscribe again with start_sequence_number")
 

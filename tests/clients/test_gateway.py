@@ -195,7 +195,10 @@ def streamer(gateway: GatewayProcess, model_dir, streaming: threading.Event | No
 def test_with_a_cache_aware_policy_a_shared_system_prompt_is_mostly_found_cached(model_dir):
     """20 chats that share a long system prompt, one after another, through the gateway's
     cache-aware policy: they mostly land on the replica that holds the prompt, so most
-    of their prompt tokens come from its prefix cache."""
+    of their prompt tokens come from its prefix cache. The gateway knows what each
+    replica caches from its KV events (SubscribeKvEvents): its index holds exactly the
+    blocks each replica has cached, with no gap in the events and no block whose parent
+    it did not know."""
     system = " ".join(f"Rule {i}: answer briefly and politely, in plain words." for i in range(40))
     replicas = [replica(model_dir), replica(model_dir)]
     try:
@@ -208,8 +211,21 @@ def test_with_a_cache_aware_policy_a_shared_system_prompt_is_mostly_found_cached
                     messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}])
                 prompt_tokens += out.usage.prompt_tokens
             hits = [scrape(r.metrics_port).get(("llamastream:prefix_cache_hits_total", ()), 0) for r in replicas]
-        print(f"\ncache-aware routing: {sum(hits):.0f} of {prompt_tokens} prompt tokens cached (by replica: {hits})")
+            cached = [scrape(r.metrics_port)[("llamastream:kv_cache_blocks_evictable", ())] for r in replicas]
+            workers = [(("worker", f"grpc://{r.address}"),) for r in replicas]
+
+            def indexed() -> list[float]:
+                metrics = scrape(gateway.metrics_port)
+                return [metrics.get(("smg_kv_index_blocks", w), 0) for w in workers]  # (unset before a first store)
+            wait_for(lambda: indexed() == cached, 10, lambda: f"the gateway indexes {indexed()} blocks, cached: {cached}")
+            metrics = scrape(gateway.metrics_port)
+        print(f"\ncache-aware routing: {sum(hits):.0f} of {prompt_tokens} prompt tokens cached (by replica: {hits}); "
+              f"blocks cached by replica, and in the gateway's index: {cached}")
         assert sum(hits) >= 0.8 * prompt_tokens
+        for w in workers:
+            assert metrics[("smg_kv_event_subscriptions_total", w)] >= 1 and sum(cached) > 0
+            assert metrics[("smg_kv_event_parentless_stores_total", w)] == 0
+            assert sum(v for (name, labels), v in metrics.items() if name == "smg_kv_event_gaps_total" and labels[1:] == w) == 0
     finally:
         for r in replicas:
             r.stop()

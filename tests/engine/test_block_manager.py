@@ -8,6 +8,8 @@ counts must equal the block tables holding each block, no block being written ma
 shared, and every block must be held, evictable or free; every step must find, in
 the cache, the tokens its sequences' earlier positions hold (whether computed or
 claimed from the prefix cache). At the end every block must be free or evictable.
+The blocks-stored and blocks-removed events, replayed, must always give exactly the
+findable blocks, each stored with its parent's hash and its tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine import block_manager
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, BlocksRemoved
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -28,7 +30,8 @@ from engine.sequence import Sequence
 class SchedulingMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(num_blocks=24, block_size=4)
+        self.bm = BlockManager(num_blocks=24, block_size=4, record_events=True)
+        self.mirror: dict[int, tuple[int, ...]] = {}  # the findable blocks, as the events tell
         self.scheduler = Scheduler(self.bm, max_num_seqs=5, max_num_batched_tokens=16)
         self.count = 0
         self.cache = np.full(24 * 4, -1)  # the token id whose K/V each slot holds
@@ -90,6 +93,20 @@ class SchedulingMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def preempt(self, data):
         self.scheduler.preempt(data.draw(st.sampled_from(self.scheduler.running)))
+
+    @invariant()
+    def events_tell_the_findable_blocks(self):
+        for event in self.bm.take_events():
+            if isinstance(event, BlocksRemoved):
+                for h in event.block_hashes:
+                    del self.mirror[h]  # (raises if it was not there)
+                continue
+            previous = event.parent_hash
+            for i, h in enumerate(event.block_hashes):
+                tokens = event.token_ids[4 * i : 4 * (i + 1)]
+                assert block_manager.block_hash(previous or 0, tokens) == h and h not in self.mirror
+                self.mirror[h], previous = tuple(tokens), h
+        assert self.mirror == {h: self.bm._hash_of[b][1] for h, b in self.bm._by_hash.items()}
 
     @invariant()
     def blocks_have_one_owner(self):

@@ -7,6 +7,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import queue
+import threading
+import time
 import zipfile
 
 import grpc
@@ -159,9 +162,120 @@ def test_the_tokenizer_is_served_as_a_zip_that_tokenizes_alike(server, vllm):
 def test_flush_cache_and_the_rpcs_llamastream_does_not_implement(vllm):
     assert vllm.FlushCache(common.FlushCacheRequest(), timeout=5).success
     calls = [lambda: vllm.Embed(vpb.EmbedRequest(), timeout=5),
-             lambda: vllm.StartProfile(common.StartProfileRequest(), timeout=5),
-             lambda: list(vllm.SubscribeKvEvents(common.SubscribeKvEventsRequest(), timeout=5))]
+             lambda: vllm.StartProfile(common.StartProfileRequest(), timeout=5)]
     for call in calls:
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and e.value.details()
+
+
+class Subscription:
+    """A SubscribeKvEvents stream read on a thread: its batches so far, and the blocks
+    they say are cached (hash -> (parent hash, token ids))."""
+
+    def __init__(self, vllm, start: int = 0):
+        self.call = vllm.SubscribeKvEvents(common.SubscribeKvEventsRequest(start_sequence_number=start))
+        self.batches: list[common.KvEventBatch] = []
+        self._arrived: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for batch in self.call:
+                self._arrived.put(batch)
+        except grpc.RpcError as e:  # (cancelled at the end of the test)
+            assert e.code() == grpc.StatusCode.CANCELLED
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.call.cancel()
+
+    def snapshot(self) -> dict[int, tuple[int | None, list[int]]]:
+        """The cached blocks of the snapshot a subscriber gets first."""
+        self.until(lambda s: s.batches and s.batches[-1].snapshot.index == s.batches[-1].snapshot.count - 1)
+        return self.blocks()
+
+    def until(self, done, timeout: float = 10) -> None:
+        """Read batches until done(self) holds."""
+        deadline = time.monotonic() + timeout
+        while not done(self):
+            self.batches.append(self._arrived.get(timeout=max(0.01, deadline - time.monotonic())))
+
+    def blocks(self) -> dict[int, tuple[int | None, list[int]]]:
+        cached: dict[int, tuple[int | None, list[int]]] = {}
+        for event in (e for b in self.batches for e in b.events):
+            kind = event.WhichOneof("data")
+            if kind == "cleared":
+                cached.clear()
+            elif kind == "removed":
+                for h in event.removed.block_hashes:
+                    del cached[h]
+            else:
+                parent = event.stored.parent_block_hash if event.stored.HasField("parent_block_hash") else None
+                for block in event.stored.blocks:
+                    cached[block.block_hash], parent = (parent, list(block.token_ids)), block.block_hash
+        return cached
+
+
+def prefix_blocks(cached, prompt: list[int]) -> list[int] | None:
+    """The hashes of the chain of cached blocks that spells `prompt`'s full blocks, or None."""
+    by_parent = {(parent, tuple(tokens)): h for h, (parent, tokens) in cached.items()}
+    chain, parent = [], None
+    for i in range(0, len(prompt) - len(prompt) % 16, 16):
+        parent = by_parent.get((parent, tuple(prompt[i : i + 16])))
+        if parent is None:
+            return None
+        chain.append(parent)
+    return chain
+
+
+def test_kv_events_tell_what_is_cached_from_a_snapshot_resumed_or_live(server, vllm):
+    prompt = [(7 * i) % 500 for i in range(3, 43)]  # 2 full blocks of 16 (the rest is never cached)
+    earlier = [(11 * i) % 500 for i in range(20)]  # cached before the subscription: in its snapshot
+    generate(vllm, False, greedy(2), ids=earlier)
+    with Subscription(vllm) as live:
+        before = live.snapshot()
+        assert live.batches[0].events[0].WhichOneof("data") == "cleared" and len(prefix_blocks(before, earlier)) == 1
+        generate(vllm, False, greedy(2), ids=prompt)
+        live.until(lambda s: prefix_blocks(s.blocks(), prompt))
+        chain = prefix_blocks(live.blocks(), prompt)
+        assert len(chain) == 2 and live.blocks()[chain[0]][0] is None  # a chain from the prompt's start
+        seen = live.batches[-1].sequence_number
+        assert vllm.FlushCache(common.FlushCacheRequest(), timeout=5).success
+        live.until(lambda s: not set(chain) & set(s.blocks()))  # removed, as no request holds them
+        with Subscription(vllm) as late:
+            assert late.snapshot() == live.blocks() and prefix_blocks(live.blocks(), prompt) is None
+        with Subscription(vllm, start=seen) as resumed:
+            resumed.until(lambda s: s.batches and s.batches[-1].sequence_number == live.batches[-1].sequence_number)
+            after_seen = [b for b in live.batches if b.sequence_number >= seen]
+            assert [(b.sequence_number, b.events) for b in resumed.batches] == [(b.sequence_number, b.events) for b in after_seen]
+
+
+def test_no_kv_events_without_prefix_caching():
+    s = local_server(prefix_caching=False)
+    try:
+        events = vpb_grpc.VllmEngineStub(grpc.insecure_channel(f"127.0.0.1:{s.port}")).SubscribeKvEvents(
+            common.SubscribeKvEventsRequest(), timeout=5)
+        with pytest.raises(grpc.RpcError) as e:
+            list(events)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--no-prefix-caching" in e.value.details()
+    finally:
+        s.drain()
+
+
+def test_a_subscription_is_answered_before_any_event():
+    """A gateway gives up on a subscription whose headers do not come (smg: "did not
+    answer within"): they come at once, on a server with no cached block yet."""
+    s = local_server()
+    try:
+        call = vpb_grpc.VllmEngineStub(grpc.insecure_channel(f"127.0.0.1:{s.port}")).SubscribeKvEvents(
+            common.SubscribeKvEventsRequest())
+        headers = threading.Thread(target=call.initial_metadata, daemon=True)
+        headers.start()
+        headers.join(timeout=5)
+        assert not headers.is_alive()
+        call.cancel()
+    finally:
+        s.drain()
