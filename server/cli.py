@@ -87,7 +87,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="text (one line a record, control characters escaped) or json (one object a line)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `llamastream` (and of the deployment manifests' containers)."""
     parser = argparse.ArgumentParser(prog="llamastream", description="Streaming gRPC inference for Llama-architecture models")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     convert = sub.add_parser("convert-gguf", help="write a GGUF model as a Hugging Face directory")
     convert.add_argument("gguf", help="input .gguf file")
     convert.add_argument("out_dir", help="output directory")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     configure_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
 
     if args.command == "convert-gguf":

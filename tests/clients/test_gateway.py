@@ -15,12 +15,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import openai
 import pytest
 
 from devtools.servers import GatewayProcess, ServerProcess, free_port, wait_serving
 from engine.model_loader import convert_gguf, embedded_model_path
+from tests.deploy.test_manifests import container, named
 from tests.server.test_observability import scrape
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -82,6 +84,14 @@ def test_curl_gets_well_formed_server_sent_events(gateway, model_dir):
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(line[len("data: "):]) for line in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+def test_the_gateway_answers_the_probes_of_its_kubernetes_manifest(gateway):
+    smg = container(named("Deployment", "gateway"))
+    for probe in ("readinessProbe", "livenessProbe"):
+        path = smg[probe]["httpGet"]["path"]
+        with urllib.request.urlopen(f"{gateway.url}{path}", timeout=5) as response:
+            assert response.status == 200, path
 
 
 def test_requests_are_spread_over_both_replicas(client, replicas, model_dir):
