@@ -160,19 +160,21 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     out = whole
                     if not out.finished:
                         continue
-                if out.finished:
-                    yield vpb.GenerateResponse(complete=self._complete(out, wants_logprobs))
-                elif out.token_ids:
+                if request.stream and out.token_ids:
                     chunk = vpb.GenerateStreamChunk(token_ids=out.token_ids, prompt_tokens=len(seq.prompt_ids),
                                                     completion_tokens=len(out.token_ids))
                     if wants_logprobs:
                         chunk.output_logprobs.CopyFrom(output_logprobs(out.logprobs))
                     yield vpb.GenerateResponse(chunk=chunk)
+                if out.finished:
+                    yield vpb.GenerateResponse(complete=self._complete(out, wants_logprobs))
 
     @staticmethod
     def _complete(out: RequestOutput, wants_logprobs: bool) -> vpb.GenerateComplete:
-        """The last message: the tokens not sent yet (all of them, for a request that does
-        not stream), why it ended and the request's token counts."""
+        """The last message: why it ended and the request's token counts, with every token
+        for a request that does not stream. A streamed request has had every token in its
+        chunks, the last delta included; as vLLM's does, the complete repeats that delta
+        (gateways read the tokens of a stream from its chunks)."""
         u = out.usage
         complete = vpb.GenerateComplete(output_ids=out.token_ids, finish_reason=_FINISH_REASONS[out.finish_reason],
                                         prompt_tokens=u.prompt_tokens, completion_tokens=len(out.token_ids),

@@ -75,6 +75,16 @@ def test_a_completion(client, model_dir):
     assert "Paris" in out.choices[0].text
 
 
+@pytest.mark.parametrize("max_tokens", [1, 6])
+def test_a_streamed_completion_cut_by_length_keeps_its_last_token(client, model_dir, max_tokens):
+    request = dict(model=model_dir.name, prompt="The capital of France is", max_tokens=max_tokens, temperature=0)
+    whole = client.completions.create(**request)
+    chunks = list(client.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert whole.choices[0].finish_reason == "length" and streamed == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == max_tokens
+
+
 def test_curl_gets_well_formed_server_sent_events(gateway, model_dir):
     body = json.dumps({"model": model_dir.name, "messages": QUESTION, "max_tokens": 8, "stream": True})
     out = subprocess.run(["curl", "-sN", "-H", "Content-Type: application/json", "-d", body,
