@@ -2,6 +2,12 @@
 
     python bench/serve.py --model DIR --device cuda --max-concurrency 1,16,64,256 \\
         --num-prompts 256 --result-json serve.json --plot serve.png
+    python bench/serve.py --model DIR --device cuda --gateway ...   # also through smg's OpenAI API
+
+With --gateway the same load also goes through the Shepherd Model Gateway (smg, started
+in front of the server) as streamed OpenAI completions, and each run is reported for
+both, the gateway's cost beside the direct gRPC figure. The prompts are then text (the
+random ids decoded), since the gateway tokenizes itself; both paths send that text.
 
 Starts `python -m server serve` with --model/--device (or uses --address), sends
 --num-prompts requests of random token ids (input and output lengths uniform in the
@@ -17,20 +23,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import httpx2
 import numpy as np
+import tokenizers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llamastream.v1 import generation_pb2 as pb  # noqa: E402
 from llamastream.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
-from devtools.servers import ServerProcess  # noqa: E402
+from devtools.servers import GatewayProcess, ServerProcess  # noqa: E402
 
 
 @dataclass
@@ -43,41 +53,94 @@ class RequestResult:
     error: str = ""
 
 
-async def one_request(stub, ids: list[int], max_tokens: int) -> RequestResult:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(temperature=0.0),
-                                 stop=pb.StopCriteria(max_tokens=max_tokens, ignore_eos=True))
-    result = RequestResult(prompt_tokens=len(ids))
-    start = last = time.perf_counter()
-    try:
-        async for msg in stub.Generate(request, timeout=3600):
-            if msg.HasField("delta") and msg.delta.token_ids:
-                now = time.perf_counter()
-                if result.output_tokens == 0:
-                    result.ttft_s = now - start
-                else:
-                    result.itl_s.append(now - last)
-                last = now
-                result.output_tokens += len(msg.delta.token_ids)
-    except grpc.aio.AioRpcError as e:
-        result.error = f"{e.code().name}: {e.details()}"
-    result.latency_s = time.perf_counter() - start
-    return result
+class Timing:
+    """A request's clock: time to the first message with tokens, then between them."""
+
+    def __init__(self, result: RequestResult):
+        self.result, self.start = result, time.perf_counter()
+        self.last = self.start
+
+    def tokens(self, n: int) -> None:
+        now = time.perf_counter()
+        if self.result.ttft_s == 0.0:
+            self.result.ttft_s = now - self.start
+        else:
+            self.result.itl_s.append(now - self.last)
+        self.last = now
+        self.result.output_tokens += n
+
+    def end(self) -> RequestResult:
+        self.result.latency_s = time.perf_counter() - self.start
+        return self.result
 
 
-async def run_load(address: str, prompts, outputs, concurrency: int, rate: float, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    limit = asyncio.Semaphore(concurrency)
+@contextlib.asynccontextmanager
+async def grpc_sender(address: str):
+    """send(prompt, max_tokens): one streamed Generate (token ids or text), timed."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
 
-        async def limited(ids, n):
+        async def send(prompt: list[int] | str, max_tokens: int) -> RequestResult:
+            request = pb.GenerateRequest(sampling=pb.SamplingParams(temperature=0.0),
+                                         stop=pb.StopCriteria(max_tokens=max_tokens, ignore_eos=True))
+            if isinstance(prompt, str):
+                request.prompt = prompt
+            else:
+                request.token_ids.ids.extend(prompt)
+            timing = Timing(RequestResult(prompt_tokens=len(prompt)))
+            try:
+                async for msg in stub.Generate(request, timeout=3600):
+                    if msg.HasField("delta") and msg.delta.token_ids:
+                        timing.tokens(len(msg.delta.token_ids))
+                    elif msg.HasField("started"):
+                        timing.result.prompt_tokens = msg.started.prompt_tokens
+            except grpc.aio.AioRpcError as e:
+                timing.result.error = f"{e.code().name}: {e.details()}"
+            return timing.end()
+        yield send
+
+
+@contextlib.asynccontextmanager
+async def openai_sender(url: str, model: str):
+    """send(text, max_tokens): one streamed OpenAI completion through the gateway, timed
+    (a message's tokens are counted once the usage arrives at the end)."""
+    async with httpx2.AsyncClient(base_url=url, timeout=3600, limits=httpx2.Limits(max_connections=None)) as client:
+        async def send(prompt: str, max_tokens: int) -> RequestResult:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            timing = Timing(RequestResult(prompt_tokens=0))
+            try:
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        timing.result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        message = json.loads(line[len("data: "):])
+                        if any(c.get("text") for c in message["choices"]):
+                            timing.tokens(0)
+                        if message.get("usage"):
+                            timing.result.output_tokens = message["usage"]["completion_tokens"]
+                            timing.result.prompt_tokens = message["usage"]["prompt_tokens"]
+            except httpx2.HTTPError as e:
+                timing.result.error = f"{type(e).__name__}: {e}"
+            return timing.end()
+        yield send
+
+
+async def run_load(sender, prompts, outputs, concurrency: int, rate: float, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    limit = asyncio.Semaphore(concurrency)
+    async with sender as send:
+
+        async def limited(prompt, n):
             async with limit:
-                return await one_request(stub, ids, n)
+                return await send(prompt, n)
 
         start = time.perf_counter()
         tasks = []
-        for ids, n in zip(prompts, outputs):
-            tasks.append(asyncio.create_task(limited(ids, n)))
+        for prompt, n in zip(prompts, outputs):
+            tasks.append(asyncio.create_task(limited(prompt, n)))
             if np.isfinite(rate):
                 await asyncio.sleep(rng.exponential(1.0 / rate))
         results = await asyncio.gather(*tasks)
@@ -148,16 +211,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result-json")
     ap.add_argument("--plot")
+    ap.add_argument("--gateway", action="store_true",
+                    help="also through smg's OpenAI API, in front of the server (needs the gateway extra)")
     args = ap.parse_args()
 
-    server = None
-    if args.address is None:
-        flags = [*(["--model", args.model] if args.model else []), "--device", args.device, *args.server_arg]
-        server = ServerProcess(*flags).__enter__()
-        address = server.address
-    else:
-        address = args.address
-    try:
+    with contextlib.ExitStack() as stack:
+        # The gateway names the model after its tokenizer's folder, and routes a request
+        # to the workers serving that name: the server serves the same folder.
+        model = str(gateway_model_dir(args.model, stack)) if args.gateway else args.model
+        if args.address is None:
+            flags = [*(["--model", model] if model else []), "--device", args.device, *args.server_arg]
+            address = stack.enter_context(ServerProcess(*flags)).address
+        else:
+            address = args.address
         with grpc.insecure_channel(address) as channel:
             info = pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         rng = np.random.default_rng(args.seed)
@@ -165,25 +231,46 @@ def main() -> None:
         vocab = args.vocab or info.vocab_size
         prompts = [rng.integers(0, vocab, rng.integers(lo_in, hi_in + 1)).tolist() for _ in range(args.num_prompts)]
         outputs = rng.integers(lo_out, hi_out + 1, args.num_prompts).tolist()
+        senders = {"gRPC": lambda: grpc_sender(address)}
+        if args.gateway:
+            gateway = stack.enter_context(GatewayProcess([address], Path(model), "--policy", "round_robin"))
+            senders["gateway"] = lambda: openai_sender(gateway.url, gateway.model)
+            prompts = as_text(prompts, Path(model))
         runs = []
-        print(f"model {info.model} on {info.backend}; {args.num_prompts} requests, input {args.input_len}, output {args.output_len}")
-        print(f"{'conc':>5} | {'ok':>4} | {'fail':>4} | {'out tok/s':>9} | {'TTFT p50/p90/p99 ms':>22} | {'TPOT p50/p90/p99 ms':>20} | {'ITL p50/p90/p99 ms':>20}")
+        print(f"model {info.model} on {info.backend}; {args.num_prompts} requests, input {args.input_len}, output {args.output_len}"
+              + ("; prompts as text, the same through both paths" if args.gateway else ""))
+        print(f"{'path':>7} | {'conc':>5} | {'ok':>4} | {'fail':>4} | {'out tok/s':>9} | {'TTFT p50/p90/p99 ms':>22} | "
+              f"{'TPOT p50/p90/p99 ms':>20} | {'ITL p50/p90/p99 ms':>20}")
         for conc in (int(c) for c in args.max_concurrency.split(",")):
-            r = asyncio.run(run_load(address, prompts, outputs, conc, args.request_rate, args.seed))
-            runs.append(r)
-            t, p, i = r["ttft_ms"], r["tpot_ms"], r["itl_ms"]
-            print(f"{conc:>5} | {r['completed']:>4} | {r['failed']:>4} | {r['output_tokens_per_s']:9.1f} | "
-                  f"{t['p50']:6.1f} {t['p90']:7.1f} {t['p99']:7.1f} | {p['p50']:6.2f} {p['p90']:6.2f} {p['p99']:6.2f} | "
-                  f"{i['p50']:6.2f} {i['p90']:6.2f} {i['p99']:6.2f}")
+            for path, sender in senders.items():
+                r = {"path": path, **asyncio.run(run_load(sender(), prompts, outputs, conc, args.request_rate, args.seed))}
+                runs.append(r)
+                t, p, i = r["ttft_ms"], r["tpot_ms"], r["itl_ms"]
+                print(f"{path:>7} | {conc:>5} | {r['completed']:>4} | {r['failed']:>4} | {r['output_tokens_per_s']:9.1f} | "
+                      f"{t['p50']:6.1f} {t['p90']:7.1f} {t['p99']:7.1f} | {p['p50']:6.2f} {p['p90']:6.2f} {p['p99']:6.2f} | "
+                      f"{i['p50']:6.2f} {i['p90']:6.2f} {i['p99']:6.2f}")
         result = {"model": info.model, "backend": info.backend, "num_prompts": args.num_prompts,
                   "input_len": args.input_len, "output_len": args.output_len, "runs": runs}
         if args.result_json:
             Path(args.result_json).write_text(json.dumps(result, indent=2))
         if args.plot:
-            plot(runs, args.plot)
-    finally:
-        if server is not None:
-            server.stop()
+            plot([r for r in runs if r["path"] == "gRPC"], args.plot)
+
+
+def gateway_model_dir(model: str | None, stack: contextlib.ExitStack) -> Path:
+    """A Hugging Face directory with the model's tokenizer, for the gateway."""
+    if model and Path(model).is_dir():
+        return Path(model)
+    from engine.model_loader import convert_gguf, embedded_model_path
+
+    out = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "model"
+    return convert_gguf(model or embedded_model_path(), out)
+
+
+def as_text(prompts: list[list[int]], model_dir: Path) -> list[str]:
+    """The random prompts as text, decoded by the model's tokenizer (what both paths send)."""
+    tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return tokenizer.decode_batch(prompts, skip_special_tokens=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.serve import run_load  # noqa: E402
+from bench.serve import grpc_sender, run_load  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampler import SampleOutput  # noqa: E402
@@ -125,7 +125,7 @@ def main() -> None:
     local = in_process(emulated_engine(**backend_args), prompts, outputs)
     where = ["--engine-in-process"] if args.engine_in_process else []
     with ServerProcess(*step, *where, command=(__file__, "--serve")) as server:
-        remote = asyncio.run(run_load(server.address, prompts, outputs, args.max_concurrency, float("inf"), 0))
+        remote = asyncio.run(run_load(grpc_sender(server.address), prompts, outputs, args.max_concurrency, float("inf"), 0))
     rate = remote["output_tokens_per_s"]
     print(f"emulated step: {args.host_ms} ms of host work, {args.gil_releases} GIL releases, {args.step_ms} ms of GPU; "
           f"{args.requests} requests, {args.max_concurrency} concurrent streams; the server's engine "

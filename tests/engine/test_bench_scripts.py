@@ -25,6 +25,21 @@ def test_serve_benchmark_reports_every_request(tmp_path):
         assert run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"]
 
 
+def test_serve_benchmark_goes_through_the_gateway_too(tmp_path):
+    out = tmp_path / "serve.json"
+    subprocess.run(
+        [sys.executable, "bench/serve.py", "--device", "cpu", "--num-prompts", "4", "--input-len", "4:20",
+         "--output-len", "3:9", "--max-concurrency", "2", "--gateway", "--result-json", str(out)],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
+    )
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["path"] for r in runs] == ["gRPC", "gateway"]
+    for run in runs:
+        assert run["completed"] == 4 and run["failed"] == 0
+        assert 4 * 3 <= run["output_tokens"] <= 4 * 9
+    assert runs[0]["output_tokens"] == runs[1]["output_tokens"]  # the same requests, whichever the path
+
+
 def test_paged_vs_contiguous_runs_both_schemes():
     out = subprocess.run(
         [sys.executable, "bench/paged_vs_contiguous.py", "--device", "cpu", "--model", str(TINY_MODEL), "--requests", "24",
@@ -52,8 +67,8 @@ def test_profile_server_profiles_both_threads_under_load():
          "--model", str(TINY_MODEL), "--device", "cpu"],
         cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
     ).stdout
-    load = next(line for line in out.splitlines() if line.strip().startswith("3 |"))
-    assert [c.strip() for c in load.split("|")[1:3]] == ["6", "0"]  # all six completed, none failed
+    load = next(line for line in out.splitlines() if line.strip().startswith("gRPC |"))
+    assert [c.strip() for c in load.split("|")[1:4]] == ["3", "6", "0"]  # all six completed, none failed
     engine, loop = out.split("=== engine thread ===")[1].split("=== RPC loop thread ===")
     assert "numpy_backend.py" in engine and "servicer.py" not in engine  # each thread's own work
     assert "servicer.py" in loop and "numpy_backend.py" not in loop
