@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from server.gateway import wait_serving
+from server.gateway import smg_command, wait_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,9 +79,8 @@ class GatewayProcess:
         self.metrics_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
-        smg = Path(sys.executable).with_name("smg")
         self.proc = subprocess.Popen(
-            [str(smg), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--model-path", str(model_path),
+            [smg_command(), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--model-path", str(model_path),
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
              "--worker-urls", *[f"grpc://{w}" for w in workers], *args],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, text=True)
