@@ -9,7 +9,8 @@ in front of the server) as streamed OpenAI completions, and each run is reported
 both, the gateway's cost beside the direct gRPC figure. The prompts are then text (the
 random ids decoded), since the gateway tokenizes itself; both paths send that text.
 
-Starts `python -m server serve` with --model/--device (or uses --address), sends
+Starts `python -m server serve` with --model/--device (or uses --address), drops its
+prefix cache before each run (every run sends the same prompts), sends
 --num-prompts requests of random token ids (input and output lengths uniform in the
 given ranges, eos ignored) at --request-rate (Poisson; inf = all at once) with at most
 --max-concurrency in flight, once per concurrency in the list. Reports, per run:
@@ -113,10 +114,7 @@ async def openai_sender(url: str, model: str):
                 async with client.stream("POST", "/v1/completions", json=body) as response:
                     if response.status_code != 200:
                         timing.result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        message = json.loads(line[len("data: "):])
+                    async for message in server_sent_events(response):
                         if any(c.get("text") for c in message["choices"]):
                             timing.tokens(0)
                         if message.get("usage"):
@@ -126,6 +124,19 @@ async def openai_sender(url: str, model: str):
                 timing.result.error = f"{type(e).__name__}: {e}"
             return timing.end()
         yield send
+
+
+async def server_sent_events(response: httpx2.Response):
+    """The JSON data of each event of a server-sent-event stream. Events end at a blank
+    line and lines at "\n" alone (a text may hold other line breaks, such as U+2028)."""
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        *events, buffer = buffer.split("\n\n")
+        for event in events:
+            for line in event.split("\n"):
+                if line.startswith("data: {"):
+                    yield json.loads(line[len("data: "):])
 
 
 async def run_load(sender, prompts, outputs, concurrency: int, rate: float, seed: int) -> dict:
@@ -243,6 +254,7 @@ def main() -> None:
               f"{'TPOT p50/p90/p99 ms':>20} | {'ITL p50/p90/p99 ms':>20}")
         for conc in (int(c) for c in args.max_concurrency.split(",")):
             for path, sender in senders.items():
+                flush_prefix_cache(address)  # (every run sends the same prompts: none may find the last one's)
                 r = {"path": path, **asyncio.run(run_load(sender(), prompts, outputs, conc, args.request_rate, args.seed))}
                 runs.append(r)
                 t, p, i = r["ttft_ms"], r["tpot_ms"], r["itl_ms"]
@@ -255,6 +267,13 @@ def main() -> None:
             Path(args.result_json).write_text(json.dumps(result, indent=2))
         if args.plot:
             plot([r for r in runs if r["path"] == "gRPC"], args.plot)
+
+
+def flush_prefix_cache(address: str) -> None:
+    """Drop the server's cached prefixes (the idle server's: all of them)."""
+    with grpc.insecure_channel(address) as channel:
+        pb_grpc.GenerationStub(channel).FlushCache(pb.FlushCacheRequest(), timeout=30)
+    time.sleep(0.1)  # (applied before the engine's next step)
 
 
 def gateway_model_dir(model: str | None, stack: contextlib.ExitStack) -> Path:
