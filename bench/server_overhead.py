@@ -55,11 +55,15 @@ class EmulatedBackend:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
         pass
 
-    def execute(self, batch):
-        return self.launch(batch)()
+    def execute(self, batch, masks=None):
+        return self.launch(batch, masks)()
 
-    def launch(self, batch):
-        """Host work now; the GPU's time runs from here, and the returned wait() sleeps out the rest."""
+    def launch_forward(self, batch):
+        return lambda masks: self.launch(batch, masks)
+
+    def launch(self, batch, masks=None):
+        """Host work now; the GPU's time runs from here, and the returned wait() sleeps out
+        the rest. (No structured output: the masks are not read.)"""
         busy_until = time.perf_counter() + self.host_s
         while time.perf_counter() < busy_until:  # host work, the GIL held
             pass

@@ -31,6 +31,23 @@ extern "C" __global__ void apply_penalties(float* __restrict__ logits, int vocab
     *x = v;
 }
 
+// Structured output: logits[rows[r], t] = -inf for every token t whose bit is clear in
+// mask row r (llguidance's bitmask: bit t % 32 of word t / 32), for the n rows listed.
+// One thread a word; a word with every bit set (most of them, in a JSON string) is one
+// load and no store. Grid (word blocks, n).
+extern "C" __global__ void apply_token_bitmask(float* __restrict__ logits, const int* __restrict__ masks,
+                                               const int* __restrict__ rows, int words, int vocab) {
+    await_previous_kernel();
+    const int r = blockIdx.y, w = blockIdx.x * blockDim.x + threadIdx.x;
+    if (w >= words) return;
+    const unsigned bits = masks[(size_t)r * words + w];
+    if (bits == 0xFFFFFFFFu) return;
+    float* x = logits + (size_t)rows[r] * vocab + w * 32;
+    const int n = min(32, vocab - w * 32);
+    for (int i = 0; i < n; i++)
+        if (!((bits >> i) & 1u)) x[i] = -INFINITY;
+}
+
 // Philox4x32-10 (Salmon et al., 2011): a counter-based generator, so a request's
 // draw depends only on its seed and its step, never on the rest of the batch.
 __device__ uint32_t philox_first_word(uint32_t k0, uint32_t k1, uint32_t c0) {

@@ -13,7 +13,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.backends.base import MAX_STEPS_IN_FLIGHT, Backend, Wait
+import numpy as np
+
+from engine.backends.base import MAX_STEPS_IN_FLIGHT, Backend, SampleLater, Wait
 from engine.block_manager import BlockManager, KvEvent
 from engine.config import ModelConfig
 from engine.model_loader import LoadedModel
@@ -21,6 +23,7 @@ from engine.output import OutputStream, RequestOutput, Usage
 from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.structured import GuideCompiler, fill_masks
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("llamastream.engine")
@@ -35,6 +38,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's, within the KV cache
     enable_prefix_caching: bool = True
     record_kv_events: bool = False  # for take_kv_events (a gateway's cache-aware routing)
+    max_grammar_bytes: int = 65536  # the largest structured-output constraint taken
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,13 @@ class EngineInfo:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    guides: GuideCompiler
     prefix_caching: bool = True
 
     def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Check a request against the model and the context; raise InvalidRequest if it cannot run."""
+        """Check a request against the model and the context; raise InvalidRequest if it
+        cannot run. A structured-output constraint is compiled here (milliseconds, off
+        the engine's thread: the caller's)."""
         vocab = self.config.vocab_size
         params.validate(vocab)
         if not prompt_ids:
@@ -76,15 +83,28 @@ class EngineInfo:
         max_tokens = params.max_tokens or min(DEFAULT_MAX_TOKENS, room)
         if params.min_tokens > max_tokens:
             raise InvalidRequest(f"stop.min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens that fit")
-        return Sequence(request_id, list(prompt_ids), params, max_tokens, eos_token_ids=self.tokenizer.eos_token_ids)
+        seq = Sequence(request_id, list(prompt_ids), params, max_tokens, eos_token_ids=self.tokenizer.eos_token_ids)
+        if params.constraint is not None:
+            seq.grammar = self.guides.grammar(params.constraint)
+            self.start_guide(seq)
+        return seq
+
+    def start_guide(self, seq: Sequence) -> None:
+        """Give a sequence with a grammar its guide, if it has none (it lost it on its way
+        to the engine's process)."""
+        if seq.grammar is not None and seq.guide is None:
+            seq.guide = self.guides.guide(seq.grammar)
 
 
-@dataclass(frozen=True)
+@dataclass
 class InFlightStep:
-    """A batch queued on the backend, and what waits for its samples."""
+    """A batch queued on the backend, and what waits for its samples. A batch whose
+    structured outputs' masks need the tokens of the step before it is queued without
+    its sampling (`wait` None), which `sample` queues once those tokens are back."""
 
     batch: list[ScheduledSeq]
-    wait: Wait
+    wait: Wait | None
+    sample: SampleLater | None = None
 
 
 @dataclass(frozen=True)
@@ -114,7 +134,9 @@ class LLMEngine:
         max_model_len = self._context_length(model.config.max_position_embeddings)
         self.info = EngineInfo(model.name, model.config, model.tokenizer, backend.name, max_model_len,
                                config.num_kv_blocks, config.block_size, config.max_num_seqs,
-                               config.max_num_batched_tokens, config.enable_prefix_caching)
+                               config.max_num_batched_tokens,
+                               GuideCompiler(model.tokenizer, model.config.vocab_size, config.max_grammar_bytes),
+                               config.enable_prefix_caching)
         self._streams: dict[str, OutputStream] = {}
         # batches launched and not yet ended, oldest first, each with what waits for its samples
         self._in_flight: deque[InFlightStep] = deque()  # launched, not yet ended, oldest first
@@ -181,23 +203,36 @@ class LLMEngine:
     # The parts of a step: begin_step, end_step, emit.
     def begin_step(self) -> bool:
         """Schedule a batch and queue it on the backend; False if nothing was scheduled.
-        Its sampled tokens are pending until end_step."""
+        Its sampled tokens are pending until end_step. Where a structured output's last
+        token is still pending, its mask cannot be known yet: the forward pass is queued
+        now, and the sampling once end_step has that token (the device computes the
+        forward pass meanwhile)."""
         batch = self.scheduler.schedule()
         if not batch:
             return False
         self._launching = batch
-        wait = self.backend.launch(batch)
+        guided = [s for s in batch if s.samples and s.seq.guide is not None]
+        if any(s.seq.num_pending for s in guided):
+            step = InFlightStep(batch, None, self.backend.launch_forward(batch))
+        else:
+            step = InFlightStep(batch, self.backend.launch(batch, self._masks(batch) if guided else None))
         self._launching = []
         for scheduled in batch:
             if scheduled.samples:
                 scheduled.seq.num_pending += 1
             scheduled.seq.num_computed_tokens += scheduled.num_tokens
-        self._in_flight.append(InFlightStep(batch, wait))
+        self._in_flight.append(step)
         return True
+
+    def _masks(self, batch: list[ScheduledSeq]) -> np.ndarray:
+        """The allowed tokens of each sampling row (engine/structured)."""
+        return fill_masks([s.seq.guide for s in batch if s.samples], self.model.config.vocab_size)
 
     def end_step(self) -> None:
         """Wait for the oldest batch in flight, record its tokens and take the sequences
-        that hit a stop token or their length out of the schedule. Deltas wait for emit()."""
+        that hit a stop token, their grammar's end or their length out of the schedule;
+        then queue the next batch's sampling if it waited for these tokens. Deltas wait
+        for emit()."""
         step = self._in_flight[0]
         samples = step.wait()
         self._in_flight.popleft()
@@ -205,10 +240,15 @@ class LLMEngine:
             seq = scheduled.seq
             if sample is None or seq.is_finished:  # (ended while this batch ran: its token is dropped)
                 continue
+            if seq.guide is not None:
+                seq.guide.accept(sample.token_id)
             stream = self._streams[seq.request_id]
             if stream.record(sample):
                 self.scheduler.finish(seq)
             self._unsent.append(stream)
+        if self._in_flight and self._in_flight[0].wait is None:
+            waiting = self._in_flight[0]
+            waiting.wait = waiting.sample(self._masks(waiting.batch))
 
     def emit(self) -> list[RequestOutput]:
         """The deltas of the tokens recorded since the last call."""

@@ -1,9 +1,10 @@
 """Turn one sequence's logits into its next token, on the CPU.
 
-Order, as in vLLM: penalties, then token masks (min_tokens), then temperature,
-top-k, top-p and min-p, then a draw from the sequence's own Philox generator, so
-a seeded request samples the same tokens whatever else shares its batch.
-Logprobs describe the model's raw distribution, before any of this.
+Order, as in vLLM: penalties, then token masks (min_tokens, and a structured
+output's grammar), then temperature, top-k, top-p and min-p, then a draw from the
+sequence's own Philox generator, so a seeded request samples the same tokens
+whatever else shares its batch. Logprobs describe the model's raw distribution,
+before any of this (as vLLM's by default).
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def top_k_top_p_min_p(probs: np.ndarray, params: SamplingParams) -> np.ndarray:
     return out / out.sum()
 
 
+def unpack_bitmask(words: np.ndarray, vocab: int) -> np.ndarray:
+    """A bitmask row (int32 words, token t at bit t % 32 of word t // 32) as booleans."""
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
 def sample(
     logits: np.ndarray,
     params: SamplingParams,
@@ -71,14 +77,19 @@ def sample(
     output_ids: list[int],
     rng: np.random.Generator,
     banned_ids: list[int],
+    allowed: np.ndarray | None = None,
 ) -> SampleOutput:
-    """Sample one token from float32 `logits` [vocab]; `banned_ids` can never be chosen."""
+    """Sample one token from float32 `logits` [vocab]; `banned_ids` can never be chosen,
+    nor a token whose bit is clear in `allowed` (int32 words: token t is bit t % 32 of
+    word t // 32)."""
     logprob = None
     if params.top_logprobs is not None:
         raw = log_softmax(logits.astype(np.float64))
     x = apply_penalties(logits.astype(np.float64), params, prompt_ids, output_ids)
     if banned_ids:
         x[banned_ids] = -np.inf
+    if allowed is not None:
+        x[~unpack_bitmask(allowed, len(x))] = -np.inf
     if params.greedy:
         token = int(np.argmax(x))
     else:

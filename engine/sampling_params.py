@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.structured import Constraint
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
@@ -33,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     top_logprobs: int | None = None  # None: no logprobs
     skip_special_tokens: bool = False
+    constraint: Constraint | None = None  # structured output (engine/structured)
 
     @property
     def greedy(self) -> bool:

@@ -6,10 +6,14 @@ import enum
 import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import Guide
 
 
 NO_BLOCKS = np.empty(0, np.int32)  # the block table of a sequence that holds none
@@ -54,6 +58,11 @@ class Sequence:
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # structured output: the checked grammar of params.constraint, and where the output
+    # is in it (a guide is rebuilt from the grammar where the sequence goes to another
+    # process; recomputing its tokens after a preemption leaves it as it is)
+    grammar: str | None = None
+    guide: Guide | None = field(default=None, repr=False)
     seed: int = field(init=False)  # the request's, or a random one
     rng: np.random.Generator = field(init=False, repr=False)
 
@@ -61,6 +70,9 @@ class Sequence:
         # Philox, seeded per request: draws do not depend on the rest of the batch.
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(64)
         self.rng = np.random.Generator(np.random.Philox(self.seed))
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "guide": None}  # (llguidance's matcher does not pickle)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens start..end-1 of prompt + output (none of them pending), without
@@ -105,7 +117,8 @@ class Sequence:
         self.num_pending = 0
 
     def banned_token_ids(self) -> list[int]:
-        """Tokens that would end the sequence before min_tokens."""
-        if self.num_generated >= self.params.min_tokens:
+        """Tokens that would end the sequence before min_tokens (unless its grammar
+        allows nothing else: a complete structure ends it)."""
+        if self.num_generated >= self.params.min_tokens or (self.guide is not None and self.guide.must_stop):
             return []
         return self.eos_token_ids + self.params.stop_token_ids

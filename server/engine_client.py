@@ -257,6 +257,12 @@ def _engine_process_main(build: Callable[[], LLMEngine], conn: Connection, log_l
         while (message := conn.recv()) is not None:
             kind, arg = message
             if kind == "add":
+                try:
+                    engine.info.start_guide(arg)  # (here, not on the engine's thread: it takes milliseconds)
+                except Exception as e:  # (checked in the server already: not expected)
+                    conn.send(("outputs", [RequestOutput(arg.request_id, finish_reason=FinishReason.ERROR,
+                                                         error=f"structured output: {e}")], engine.stats(), []))
+                    continue
                 loop.add(arg)
             elif kind == "reset_prefix_cache":
                 loop.reset_prefix_cache()

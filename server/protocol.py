@@ -9,6 +9,7 @@ from engine.output import RequestOutput
 from engine.sampler import TokenLogprob
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.sequence import FinishReason
+from engine.structured import Constraint
 from engine.tokenizer import CHAT_ROLES, ChatTemplateError, Tokenizer
 from llamastream.v1 import generation_pb2 as pb
 
@@ -60,7 +61,17 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
         ignore_eos=stop.ignore_eos,
         top_logprobs=_optional(out, "top_logprobs", None),
         skip_special_tokens=out.skip_special_tokens,
+        constraint=constraint(req.structured),
     )
+
+
+def constraint(structured: pb.StructuredOutput) -> Constraint | None:
+    kind = structured.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not structured.json_object):
+        return None
+    if kind == "choice":
+        return Constraint(kind, tuple(structured.choice.choices))
+    return Constraint(kind, "" if kind == "json_object" else getattr(structured, kind))
 
 
 def chat_messages(chat: pb.Chat) -> list[dict[str, str]]:

@@ -27,6 +27,7 @@ from engine.output import RequestOutput
 from engine.sampler import TokenLogprob
 from engine.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams
 from engine.sequence import FinishReason, Sequence
+from engine.structured import Constraint
 from engine.models import architecture_of
 from server import package_version, protocol
 from server.kv_events import KvEventPublisher, SubscriberTooSlow
@@ -51,7 +52,6 @@ _UNSUPPORTED_SAMPLING = {
     "include_stop_str_in_output": "stop strings in the output",
     "structural_tag": "structural tags",
 }
-_CONSTRAINTS = ("json_schema", "regex", "grammar", "json_object", "choice")
 
 
 def _refusal(field: str, what: str) -> InvalidRequest:
@@ -64,9 +64,6 @@ def sampling_params(p: vpb.SamplingParams) -> SamplingParams:
     for field, what in _UNSUPPORTED_SAMPLING.items():
         if _is_set(p, field):
             raise _refusal(f"sampling_params.{field}", what)
-    constraint = p.WhichOneof("constraint")
-    if constraint in _CONSTRAINTS:
-        raise _refusal(f"sampling_params.{constraint}", "structured output")
     if p.n > 1:
         raise _refusal("sampling_params.n", f"n = {p.n} (several samples of one prompt)")
     if p.HasField("logprobs") and not 0 <= p.logprobs <= MAX_TOP_LOGPROBS:
@@ -87,7 +84,19 @@ def sampling_params(p: vpb.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         top_logprobs=p.logprobs if p.HasField("logprobs") else None,
         skip_special_tokens=p.skip_special_tokens,
+        constraint=constraint(p),
     )
+
+
+def constraint(p: vpb.SamplingParams) -> Constraint | None:
+    """The structured-output constraint of vLLM's SamplingParams (what the gateway sends
+    for an OpenAI response_format)."""
+    kind = p.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not p.json_object):
+        return None
+    if kind == "choice":
+        return Constraint(kind, tuple(p.choice.choices))
+    return Constraint(kind, "" if kind == "json_object" else getattr(p, kind))
 
 
 def _is_set(message, field: str) -> bool:
@@ -140,7 +149,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             return self.info.make_sequence(request_id, ids, sampling_params(request.sampling_params))
         except InvalidRequest as e:  # (our checks name our own message's fields)
             raise InvalidRequest(str(e).replace("output.top_logprobs", "sampling_params.logprobs")
-                                 .replace("sampling.", "sampling_params.").replace("stop.", "sampling_params.")) from e
+                                 .replace("sampling.", "sampling_params.").replace("stop.", "sampling_params.")
+                                 .replace("structured.", "sampling_params.")) from e
 
     async def _generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext, record: RequestRecord):
         await self.requests.check_available(context, record)

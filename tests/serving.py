@@ -57,12 +57,12 @@ class FaultyBackend:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def launch(self, batch):
+    def launch(self, batch, masks=None):
         self.calls += 1
         fail = self.calls in self.fail_on
         if fail and self.when == "launch":
             raise RuntimeError("injected fault")
-        samples = self.inner.execute(batch)
+        samples = self.inner.execute(batch, masks)
 
         def wait():
             if fail:

@@ -11,6 +11,9 @@ from engine.sampler import SampleOutput
 from engine.scheduler import ScheduledSeq
 
 Wait = Callable[[], list[SampleOutput | None]]  # a launched step's samples, one per scheduled sequence
+# A step whose forward pass is queued: queue its sampling, given its token masks
+# (engine/structured: int32 bitmask rows, one per sampling sequence, or None).
+SampleLater = Callable[[np.ndarray | None], Wait]
 # A step is launched while the one before it still runs, and ended (its tokens read
 # back) before a third is launched: a backend keeps this many steps' buffers.
 MAX_STEPS_IN_FLIGHT = 2
@@ -25,14 +28,20 @@ class Backend(Protocol):
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
         """The paged cache; `max_batch` is the most sequences one step holds."""
 
-    def launch(self, batch: list[ScheduledSeq]) -> Wait:
+    def launch(self, batch: list[ScheduledSeq], masks: np.ndarray | None = None) -> Wait:
         """Queue the step (a GPU returns at once, a CPU computes it first); the returned
         function waits for its samples (None for a sequence that samples nothing).
         A sequence's pending last token is the one this backend sampled for it in the
-        step before."""
+        step before. `masks` holds the tokens each sampling sequence may choose from
+        (a set bit allows a token); a sequence with a guide samples within its row.
+        The same as launch_forward(batch)(masks)."""
 
-    def execute(self, batch: list[ScheduledSeq]) -> list[SampleOutput | None]:
-        """launch(batch)(), for tests and benchmarks."""
+    def launch_forward(self, batch: list[ScheduledSeq]) -> SampleLater:
+        """Queue the step's forward pass; its sampling is queued by the returned function
+        (before the next step is launched)."""
+
+    def execute(self, batch: list[ScheduledSeq], masks: np.ndarray | None = None) -> list[SampleOutput | None]:
+        """launch(batch, masks)(), for tests and benchmarks."""
 
     def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
         """The logits of the sampling sequences, on the host (tests, benchmarks, logprobs)."""

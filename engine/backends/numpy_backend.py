@@ -7,10 +7,9 @@ against, so it favours plain, checkable code over speed.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
+from engine.backends.base import SampleLater, Wait
 from engine.config import ModelConfig
 from engine.models import architecture_of
 from engine.sampler import SampleOutput, sample
@@ -175,20 +174,32 @@ class NumpyBackend:
         tokens, pending = s.seq.step_tokens(s.start, s.start + s.num_tokens)
         return tokens + [self._sampled[s.seq]] if pending else tokens
 
-    def execute(self, batch: list[ScheduledSeq]) -> list[SampleOutput | None]:
-        logits = iter(self.forward(batch))
-        samples = [self._sample(s, next(logits)) if s.samples else None for s in batch]
-        self._sampled = {s.seq: out.token_id for s, out in zip(batch, samples) if out is not None}
-        return samples
+    def execute(self, batch: list[ScheduledSeq], masks: np.ndarray | None = None) -> list[SampleOutput | None]:
+        return self.launch(batch, masks)()
 
-    def launch(self, batch: list[ScheduledSeq]) -> Callable[[], list[SampleOutput | None]]:
+    def launch(self, batch: list[ScheduledSeq], masks: np.ndarray | None = None) -> Wait:
         """The CPU computes as it is asked: the step is done when this returns."""
-        samples = self.execute(batch)
-        return lambda: samples
+        return self.launch_forward(batch)(masks)
+
+    def launch_forward(self, batch: list[ScheduledSeq]) -> SampleLater:
+        logits = self.forward(batch)
+
+        def sample(masks: np.ndarray | None) -> Wait:
+            rows = iter(zip(logits, masks if masks is not None else [None] * len(logits)))
+            samples = []
+            for s in batch:
+                if not s.samples:
+                    samples.append(None)
+                    continue
+                row, mask = next(rows)
+                samples.append(self._sample(s, row, mask if s.seq.guide is not None else None))
+            self._sampled = {s.seq: out.token_id for s, out in zip(batch, samples) if out is not None}
+            return lambda: samples
+        return sample
 
     def is_fatal(self, error: BaseException) -> bool:
         return False  # (numpy leaves nothing in a bad state: a failed step fails its requests only)
 
-    def _sample(self, s: ScheduledSeq, logits: np.ndarray) -> SampleOutput:
+    def _sample(self, s: ScheduledSeq, logits: np.ndarray, mask: np.ndarray | None) -> SampleOutput:
         seq = s.seq
-        return sample(logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng, seq.banned_token_ids())
+        return sample(logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng, seq.banned_token_ids(), mask)

@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 
@@ -73,6 +74,20 @@ def test_a_streamed_chat_completion_answers_paris_and_equals_the_unstreamed_one(
 def test_a_completion(client, model_dir):
     out = client.completions.create(model=model_dir.name, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert "Paris" in out.choices[0].text
+
+
+def test_response_format_json_schema_returns_a_valid_object(client, model_dir):
+    """The OpenAI client's response_format reaches the replica as vLLM's json_schema
+    constraint, and holds the answer to the schema."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30}},
+              "required": ["city", "country"], "additionalProperties": False}
+    out = client.chat.completions.create(
+        model=model_dir.name, messages=QUESTION, max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}})
+    answer = json.loads(out.choices[0].message.content)
+    jsonschema.validate(answer, schema)
+    assert out.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("max_tokens", [1, 6])
@@ -149,23 +164,25 @@ def test_a_killed_replica_is_routed_around_and_serves_again_once_restarted(model
 
 def test_a_draining_replica_finishes_its_streams_and_no_request_fails(model_dir):
     """SIGTERM to one replica while streams run on both and more keep coming: its streams
-    finish, new requests go to the other one, and every client request succeeds."""
-    with replicas_behind_gateway(model_dir) as (servers, stream, streaming):
+    finish, new requests go to the other one, and every client request succeeds. (Two
+    numpy replicas share this machine's cores: the grace is long enough for a slow one.)"""
+    with replicas_behind_gateway(model_dir, "--grace", "120") as (servers, stream, streaming):
         with concurrent.futures.ThreadPoolExecutor(40) as pool:
             early = [pool.submit(stream, i) for i in range(20)]
             assert streaming.wait(timeout=60)
             servers[0].terminate()
             late = [pool.submit(stream, i) for i in range(20, 40)]
-            outcomes = [f.result(timeout=120) for f in early + late]
-        assert outcomes == ["ok"] * 40
+            outcomes = [f.result(timeout=180) for f in early + late]
+        assert outcomes == ["ok"] * 40, f"{stream.errors}\n{servers[0].output()[-3000:]}"
         assert servers[0].proc.wait(timeout=60) == 0
         assert "grace ran out" not in servers[0].output()
 
 
-def replica(model_dir, port: int | None = None) -> ServerProcess:
+def replica(model_dir, port: int | None = None, *args: str) -> ServerProcess:
     """A `llamastream serve` process, SERVING, with its metrics on a port of its own."""
     metrics_port = free_port()
-    server = ServerProcess("--model", str(model_dir), "--device", "cpu", "--metrics-port", str(metrics_port), port=port)
+    server = ServerProcess("--model", str(model_dir), "--device", "cpu", "--metrics-port", str(metrics_port), *args,
+                           port=port)
     server.__enter__()
     server.metrics_port = metrics_port
     return server
@@ -177,10 +194,10 @@ def ok_requests(server: ServerProcess) -> float:
 
 
 @contextlib.contextmanager
-def replicas_behind_gateway(model_dir):
+def replicas_behind_gateway(model_dir, *replica_args: str):
     """Two replicas (a list: a test may replace one) behind a gateway that checks their
     health every second; a streamer through it, and the event it sets once streaming."""
-    servers = [replica(model_dir), replica(model_dir)]
+    servers = [replica(model_dir, None, *replica_args), replica(model_dir, None, *replica_args)]
     try:
         with GatewayProcess([s.address for s in servers], model_dir, "--policy", "round_robin",
                             "--health-check-interval-secs", "1", "--health-failure-threshold", "1") as gateway:
@@ -206,9 +223,11 @@ def streamer(gateway: GatewayProcess, model_dir, streaming: threading.Event | No
                 finished = finished or any(c.finish_reason for c in chunk.choices)
                 if text and streaming is not None:
                     streaming.set()
-        except openai.APIError:
+        except openai.APIError as e:
+            stream.errors.append(f"request {i}: {type(e).__name__}: {e}")
             return "error"
         return "ok" if text and finished else "cut"  # (a stream that ended without a finish reason was cut)
+    stream.errors = []  # what the client saw of each error
     return stream
 
 

@@ -47,9 +47,9 @@ class LaunchLog:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def launch(self, batch):
+    def launch(self, batch, masks=None):
         self.penalised_pending += any(s.seq.num_pending for s in batch if s.seq.params.has_penalties)
-        wait = self.inner.launch(batch)
+        wait = self.inner.launch(batch, masks)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         sampling = [s.samples for s in batch]

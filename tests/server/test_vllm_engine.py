@@ -103,8 +103,9 @@ def test_logprobs_stop_strings_and_stop_tokens(server, vllm):
     (dict(kv_transfer_params=vpb.KvTransferParams(remote_host="h", remote_port=1)), {}, "kv_transfer_params"),
     (dict(data_parallel_rank=1), {}, "data_parallel_rank"),
     ({}, dict(n=2), "sampling_params.n"),
-    ({}, dict(json_schema='{"type": "object"}'), "sampling_params.json_schema"),
-    ({}, dict(choice=vpb.ChoiceConstraint(choices=["a", "b"])), "sampling_params.choice"),
+    ({}, dict(structural_tag='{"structures": []}'), "sampling_params.structural_tag"),
+    ({}, dict(json_schema='{"type": "banana"}'), "sampling_params.json_schema: Invalid type: banana"),
+    ({}, dict(choice=vpb.ChoiceConstraint(choices=[])), "sampling_params.choice"),
     ({}, dict(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
     ({}, dict(logit_bias={5: 1.0}), "sampling_params.logit_bias"),
     ({}, dict(logprobs=-1), "sampling_params.logprobs"),
@@ -117,6 +118,7 @@ def test_what_llamastream_does_not_do_is_refused_by_name(vllm, fields, sampling,
         if isinstance(value, dict):
             getattr(params, key).update(value)
         elif isinstance(value, vpb.ChoiceConstraint):
+            getattr(params, key).SetInParent()  # (set, even with no choices)
             getattr(params, key).CopyFrom(value)
         else:
             setattr(params, key, value)

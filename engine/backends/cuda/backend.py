@@ -15,7 +15,7 @@ import pycuda.driver as cuda
 import pycuda.gpuarray as gpuarray
 from pycuda.tools import DeviceMemoryPool
 
-from engine.backends.base import MAX_STEPS_IN_FLIGHT, Wait
+from engine.backends.base import MAX_STEPS_IN_FLIGHT, SampleLater, Wait
 from engine.backends.cuda.buffers import KvCache, StepBuffers
 from engine.backends.cuda.cublas import Cublas, CublasError
 from engine.backends.cuda.step_graphs import PROMPT_BUCKETS, StepGraphs
@@ -157,25 +157,35 @@ class CudaBackend:
             self.stream.synchronize()
         return logits
 
-    def execute(self, batch: list[ScheduledSeq]):
-        return self.launch(batch)()
+    def execute(self, batch: list[ScheduledSeq], masks: np.ndarray | None = None):
+        return self.launch(batch, masks)()
 
-    def launch(self, batch: list[ScheduledSeq]) -> Wait:
+    def launch(self, batch: list[ScheduledSeq], masks: np.ndarray | None = None) -> Wait:
         """Queue the step (forward pass, sampling, the copy of the chosen tokens to the
         host) and return at once; the returned function waits for its samples. Pending
         tokens of the batch are read from the previous step's samples on the device."""
+        return self.launch_forward(batch)(masks)
+
+    def launch_forward(self, batch: list[ScheduledSeq]) -> SampleLater:
+        """Queue the step's forward pass; the returned function queues its sampling (the
+        rows of sequences with a guide masked first) and the copy of the tokens."""
         sampling = [s.seq for s in batch if s.samples]
         self._step_slots.append(self._step_slots.pop(0))
         tokens_host, done = self._step_slots[0]
         with self._context():
             logits = self._forward(batch)
-            collect = self.sampler.sample(logits, sampling, self.sampled, tokens_host) if sampling else list
-            done.record(self.stream)
         self._previous_samples = {seq: i for i, seq in enumerate(sampling)}
 
-        def wait():
+        def sample(masks: np.ndarray | None) -> Wait:
             with self._context():
-                done.synchronize()  # (without the GIL: the server's threads run meanwhile)
-                outputs = iter(collect())
-            return [next(outputs) if s.samples else None for s in batch]
-        return wait
+                collect = (self.sampler.sample(logits, sampling, self.sampled, tokens_host, masks) if sampling
+                           else list)
+                done.record(self.stream)
+
+            def wait():
+                with self._context():
+                    done.synchronize()  # (without the GIL: the server's threads run meanwhile)
+                    outputs = iter(collect())
+                return [next(outputs) if s.samples else None for s in batch]
+            return wait
+        return sample

@@ -43,6 +43,7 @@ SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i in
     "gemv_rmsnorm_rope": ("gemv.cu", "PPPfPPPPPPiiiii"),
     "gemv_rmsnorm_silu": ("gemv.cu", "PPPfPii"),
     "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
+    "apply_token_bitmask": ("sampling.cu", "PPPii"),
     "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
 }
 _NULL = np.uintp(0)
@@ -256,6 +257,13 @@ class Kernels:
             (-(-entries // ROW_THREADS), 1), (ROW_THREADS, 1, 1), stream, ptr(logits), np.int32(vocab), np.int32(entries),
             ptr(entry_row), ptr(entry_token), ptr(entry_count), ptr(entry_banned), ptr(repetition), ptr(presence),
             ptr(frequency))
+
+    def apply_token_bitmask(self, stream, logits, masks, rows, n: int, words: int, vocab: int) -> None:
+        """logits[rows[r]] keeps only the tokens mask row r allows (n rows of `words` int32
+        words), the others -inf: a thread per word."""
+        self.functions["apply_token_bitmask"].prepared_async_call(
+            (-(-words // ROW_THREADS), n), (ROW_THREADS, 1, 1), stream, ptr(logits), ptr(masks), ptr(rows),
+            np.int32(words), np.int32(vocab))
 
     def sample_tokens(self, stream, out, logits, rows: int, vocab: int, temperature, top_p, top_k, min_p, seed_lo, seed_hi,
                       step) -> None:

@@ -21,9 +21,10 @@ class GpuSampler:
         self.kernels, self.stream, self.vocab_size, self.allocate = kernels, stream, vocab_size, allocate
 
     def sample(self, logits: gpuarray.GPUArray, seqs: list[Sequence], sampled: gpuarray.GPUArray,
-               tokens_host: np.ndarray) -> Callable[[], list[SampleOutput]]:
+               tokens_host: np.ndarray, masks: np.ndarray | None = None) -> Callable[[], list[SampleOutput]]:
         """Queue sampling into `sampled` and the copy of the tokens to `tokens_host`;
-        return what reads them once the stream has got that far."""
+        return what reads them once the stream has got that far. The rows of sequences
+        with a guide keep only the tokens their row of `masks` allows."""
         st, S = self.stream, len(seqs)
         raw = {}
         wants = [i for i, q in enumerate(seqs) if q.params.top_logprobs is not None]
@@ -31,6 +32,11 @@ class GpuSampler:
             host = logits.get(stream=st)
             st.synchronize()
             raw = {i: log_softmax(host[i].astype(np.float64)) for i in wants}
+        guided = [i for i, q in enumerate(seqs) if q.guide is not None] if masks is not None else []
+        if guided:  # only those rows' masks travel: unguided rows cost nothing
+            self.kernels.apply_token_bitmask(st, logits, self._upload(masks[guided], np.int32),
+                                             self._upload(guided, np.int32), len(guided), masks.shape[1],
+                                             self.vocab_size)
         self._apply_penalties(logits, seqs)
         p = [q.params for q in seqs]
         fields = self._upload(np.stack([  # one upload: the kernel's seven per-request arrays, row by row

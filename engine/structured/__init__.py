@@ -1,0 +1,13 @@
+"""Structured output: a request's output held to a JSON schema, any JSON object, a
+regex, a choice among strings or a grammar, token by token.
+
+Each kind of constraint becomes an llguidance grammar (constraint.py); a sequence's
+Guide (guide.py) follows the tokens it accepts and says which tokens its next sample
+may be, as a bitmask row. The engine fills those rows on the host while the device
+runs the forward pass, and each backend applies them to the logits before sampling.
+"""
+
+from engine.structured.constraint import CONSTRAINT_KINDS, Constraint
+from engine.structured.guide import Guide, GuideCompiler, fill_masks
+
+__all__ = ["CONSTRAINT_KINDS", "Constraint", "Guide", "GuideCompiler", "fill_masks"]

@@ -1,0 +1,103 @@
+"""The allowed tokens of each sequence's next sample, from its grammar (llguidance)."""
+
+from __future__ import annotations
+
+import threading
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from engine.sampling_params import InvalidRequest
+from engine.structured.constraint import Constraint
+from engine.tokenizer import Tokenizer
+
+ALL_ALLOWED = -1  # a bitmask word with every bit set
+
+
+class GuideCompiler:
+    """Checks constraints and starts guides for one model's tokenizer. Building
+    llguidance's view of the tokenizer takes a second or so for a large vocabulary: it
+    is built once, on first use, in whichever thread needs it first."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_grammar_bytes: int):
+        self.tokenizer, self.vocab_size, self.max_grammar_bytes = tokenizer, vocab_size, max_grammar_bytes
+        self._lock = threading.Lock()
+        self._llg_tokenizer: llguidance.LLTokenizer | None = None
+
+    def __getstate__(self) -> dict:  # (sent to the engine's process: it builds its own)
+        return {"tokenizer": self.tokenizer, "vocab_size": self.vocab_size, "max_grammar_bytes": self.max_grammar_bytes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    @property
+    def llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._llg_tokenizer is None:
+                self._llg_tokenizer = llguidance.LLTokenizer(
+                    self.tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=self.tokenizer.eos_token_ids)
+            return self._llg_tokenizer
+
+    def grammar(self, constraint: Constraint) -> str:
+        """The constraint's grammar, checked; raises InvalidRequest with llguidance's own
+        description of what is wrong. llguidance bounds the work of compiling it (its
+        default parser limits); the specification's size is bounded here."""
+        if constraint.size > self.max_grammar_bytes:
+            raise InvalidRequest(f"structured.{constraint.kind}: {constraint.size} bytes, more than the {self.max_grammar_bytes} "
+                                 "this server takes (--max-grammar-bytes): send a smaller one")
+        grammar = constraint.grammar()
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.llg_tokenizer)
+        if failed:
+            raise InvalidRequest(f"structured.{constraint.kind}: {messages[0].strip()}")
+        return grammar
+
+    def guide(self, grammar: str) -> "Guide":
+        """A guide at the start of a checked grammar (compiling it takes milliseconds and
+        lets go of the GIL: start it off the engine's thread)."""
+        matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"the grammar could not be compiled: {matcher.get_error()}")
+        return Guide(matcher, self.tokenizer.eos_token_ids)
+
+
+class Guide:
+    """One sequence's place in its grammar: the tokens its next sample may be, and the
+    tokens it has accepted. End of sequence (eos) is allowed exactly where the grammar
+    accepts the output so far; once the grammar is complete, only eos is."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: list[int]):
+        self.matcher, self.eos_token_ids = matcher, eos_token_ids
+        self.must_stop = False  # its last mask allowed nothing but eos
+
+    @property
+    def done(self) -> bool:
+        """The output is complete: nothing but eos may follow (or it has)."""
+        return self.matcher.is_stopped()
+
+    def accept(self, token: int) -> None:
+        """Advance past a sampled token (one the last mask allowed)."""
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_masks(guides: list[Guide | None], vocab_size: int) -> np.ndarray:
+    """The bitmask rows of a step's sampling rows, in order (int32 [rows, words]; token t
+    is bit t % 32 of word t // 32): each guide's allowed tokens, computed in parallel by
+    llguidance's threads, and every token for a row without a guide."""
+    global _executor
+    masks = np.full(llguidance.numpy.get_bitmask_shape(len(guides), vocab_size), ALL_ALLOWED, np.int32)
+    rows = [(g.matcher, i) for i, g in enumerate(guides) if g is not None]
+    if rows:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        llguidance.numpy.fill_next_token_bitmask_par(_executor, rows, masks)
+        for _, i in rows:
+            others = masks[i].view(np.uint32).copy()
+            for t in guides[i].eos_token_ids:
+                others[t // 32] &= ~np.uint32(1 << (t % 32))
+            guides[i].must_stop = not others.any()
+    return masks
