@@ -23,7 +23,7 @@ from engine.output import OutputStream, RequestOutput, Usage
 from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import FinishReason, Sequence
-from engine.structured import GuideCompiler, fill_masks
+from engine.structured import DEFAULT_MAX_GRAMMAR_BYTES, GuideCompiler, fill_masks
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("llamastream.engine")
@@ -38,7 +38,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's, within the KV cache
     enable_prefix_caching: bool = True
     record_kv_events: bool = False  # for take_kv_events (a gateway's cache-aware routing)
-    max_grammar_bytes: int = 65536  # the largest structured-output constraint taken
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # the largest structured-output constraint taken
 
 
 @dataclass(frozen=True)

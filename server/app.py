@@ -28,6 +28,7 @@ from tqdm import tqdm
 from engine.backends import DEFAULT_TOKEN_BUDGETS, create_backend
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import load_model
+from engine.structured import DEFAULT_MAX_GRAMMAR_BYTES
 from engine.sampling_params import SamplingParams
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
@@ -67,6 +68,7 @@ class ServerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: the backend's (DEFAULT_TOKEN_BUDGETS)
     max_model_len: int | None = None
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # the largest structured-output constraint a request may send
     engine_process: bool = True  # False: the engine on a thread of the server's process
     max_waiting: int = 256
     grace: float = 30.0
@@ -117,6 +119,7 @@ def build_engine(cfg: ServerConfig) -> LLMEngine:
         max_model_len=cfg.max_model_len,
         enable_prefix_caching=cfg.prefix_caching,
         record_kv_events=cfg.prefix_caching,  # (for VllmEngine's SubscribeKvEvents)
+        max_grammar_bytes=cfg.max_grammar_bytes,
     ))
     return engine
 

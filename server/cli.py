@@ -64,6 +64,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="step the engine on a thread of the server's process instead of a process of its own "
                         "(one Python GIL for both: slower under many streams, simpler to debug or profile)")
     p.add_argument("--max-model-len", type=POSITIVE, help="context length (default: the model's, within the KV cache)")
+    p.add_argument("--max-grammar-bytes", type=POSITIVE, default=d.max_grammar_bytes,
+                   help="the largest structured-output constraint (JSON schema, regex, grammar or choices) a request "
+                        f"may send, in bytes (default {d.max_grammar_bytes}); compiling one is bounded by llguidance's "
+                        "own limits")
     p.add_argument("--grace", type=_number(float, 0, 3600), default=d.grace,
                    help="seconds in-flight streams get to finish on SIGTERM")
     p.add_argument("--max-stream-backlog", type=POSITIVE, default=d.max_stream_backlog,

@@ -8,6 +8,6 @@ runs the forward pass, and each backend applies them to the logits before sampli
 """
 
 from engine.structured.constraint import CONSTRAINT_KINDS, Constraint
-from engine.structured.guide import Guide, GuideCompiler, fill_masks
+from engine.structured.guide import DEFAULT_MAX_GRAMMAR_BYTES, Guide, GuideCompiler, fill_masks
 
-__all__ = ["CONSTRAINT_KINDS", "Constraint", "Guide", "GuideCompiler", "fill_masks"]
+__all__ = ["CONSTRAINT_KINDS", "DEFAULT_MAX_GRAMMAR_BYTES", "Constraint", "Guide", "GuideCompiler", "fill_masks"]

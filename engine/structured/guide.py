@@ -13,6 +13,7 @@ from engine.structured.constraint import Constraint
 from engine.tokenizer import Tokenizer
 
 ALL_ALLOWED = -1  # a bitmask word with every bit set
+DEFAULT_MAX_GRAMMAR_BYTES = 65536
 
 
 class GuideCompiler:

@@ -417,3 +417,23 @@ def test_penalties_match_the_cpu_sampler(kernels):
     got = g.get()
     assert np.allclose(got[1], apply_penalties(logits[1].astype(np.float64), params, prompt, output), atol=1e-5)
     assert got[0, 42] == -np.inf and np.array_equal(np.delete(got[0], 42), np.delete(logits[0], 42))
+
+
+@pytest.mark.parametrize("vocab", [1000, 128256, 49153])
+def test_token_bitmask_matches_the_cpu_sampler(kernels, vocab):
+    """The listed rows keep exactly the tokens their mask allows (the numpy sampler's
+    unpack_bitmask is the oracle); other rows are untouched."""
+    from engine.sampler import unpack_bitmask
+
+    words = -(-vocab // 32)
+    logits = RNG.standard_normal((4, vocab)).astype(np.float32)
+    masks = RNG.integers(-2**31, 2**31, (2, words), dtype=np.int64).astype(np.int32)
+    masks[0, : words // 2] = -1  # (words with every bit set take the short path)
+    rows = [3, 1]
+    g = gpuarray.to_gpu(logits)
+    kernels.apply_token_bitmask(None, g, gpuarray.to_gpu(masks), i32(rows), 2, words, vocab)
+    got = g.get()
+    for mask, row in zip(masks, rows):
+        expected = np.where(unpack_bitmask(mask, vocab), logits[row], -np.inf)
+        assert np.array_equal(got[row], expected)
+    assert np.array_equal(got[[0, 2]], logits[[0, 2]])

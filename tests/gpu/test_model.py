@@ -342,6 +342,41 @@ def test_steps_that_run_ahead_equal_plain_steps(invariant_engine):
     assert results[0] == results[1]
 
 
+def test_structured_output_beside_free_requests_on_cuda(invariant_engine):
+    """A batch of free and constrained requests, stepped as the server steps it
+    (overlapped, decode steps replayed as CUDA graphs; a guided row's sampling waits for
+    its previous token): the constrained outputs hold, and the free ones are the tokens
+    they are alone (batch invariance)."""
+    import json
+    import re
+
+    from engine.structured import Constraint
+
+    engine = invariant_engine
+    rng = np.random.default_rng(11)
+    free_params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    free = [rng.integers(0, 128000, n).tolist() for n in (5, 60)]
+    alone = [tokens(run(engine, [engine.make_sequence(f"a{i}", p, free_params)], check_blocks=False)[f"a{i}"])
+             for i, p in enumerate(free)]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"],
+              "additionalProperties": False}
+    held = {"regex": (Constraint("regex", "[0-9]{3}-[0-9]{4}"), lambda t: re.fullmatch("[0-9]{3}-[0-9]{4}", t)),
+            "choice": (Constraint("choice", ("yes", "no")), lambda t: t in ("yes", "no")),
+            "json": (Constraint("json_schema", json.dumps(schema)), lambda t: set(json.loads(t)) == {"n", "ok"})}
+    seqs = [engine.make_sequence(f"f{i}", p, free_params) for i, p in enumerate(free)]
+    seqs += [engine.make_sequence(name, rng.integers(0, 128000, 20).tolist(),
+                                  SamplingParams(temperature=0.0, max_tokens=48, constraint=c))
+             for name, (c, _) in held.items()]
+    replays = engine.backend.graphs.decode_replays
+    outs = run(engine, seqs, check_blocks=False, overlapped=True)
+    assert [tokens(outs[f"f{i}"]) for i in range(len(free))] == alone
+    for name, (_, holds) in held.items():
+        text = engine.tokenizer.decode(tokens(outs[name]), skip_special_tokens=True)
+        assert outs[name][-1].finish_reason.value == "stop" and holds(text), (name, text)
+    assert engine.backend.graphs.decode_replays > replays
+
+
 @pytest.fixture(scope="module")
 def smollm2_shape(tmp_path_factory):
     path = tmp_path_factory.mktemp("smollm2-shape")
