@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import llguidance
@@ -96,9 +97,17 @@ def fill_masks(guides: list[Guide | None], vocab_size: int) -> np.ndarray:
         if _executor is None:
             _executor = llguidance.LLExecutor()
         llguidance.numpy.fill_next_token_bitmask_par(_executor, rows, masks)
-        for _, i in rows:
-            others = masks[i].view(np.uint32).copy()
-            for t in guides[i].eos_token_ids:
-                others[t // 32] &= ~np.uint32(1 << (t % 32))
-            guides[i].must_stop = not others.any()
+        guided = [i for _, i in rows]
+        no_eos = _without(tuple(guides[guided[0]].eos_token_ids), masks.shape[1])
+        for i, must_stop in zip(guided, ~(masks[guided].view(np.uint32) & no_eos).any(axis=1)):
+            guides[i].must_stop = bool(must_stop)
     return masks
+
+
+@functools.lru_cache(maxsize=4)
+def _without(tokens: tuple[int, ...], words: int) -> np.ndarray:
+    """A bitmask row (uint32) allowing every token but `tokens`."""
+    row = np.full(words, 0xFFFFFFFF, np.uint32)
+    for t in tokens:
+        row[t // 32] &= ~np.uint32(1 << (t % 32))
+    return row
