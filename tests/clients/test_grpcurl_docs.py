@@ -25,6 +25,10 @@ def json_stream(out: str) -> list[dict]:
     return objects
 
 
+def reply(out: str) -> str:
+    return "".join(e["delta"].get("text", "") for e in json_stream(out) if "delta" in e)
+
+
 def generated(out: str, ok: bool) -> bool:
     events = json_stream(out)
     return ok and "started" in events[0] and "finished" in events[-1] and all("delta" in e for e in events[1:-1])
@@ -38,6 +42,8 @@ CHECKS = [
     (" describe", lambda out, ok: ok and "rpc Generate ( .llamastream.v1.GenerateRequest )" in out),
     ("topLogprobs", lambda out, ok: generated(out, ok) and all(len(lp["top"]) == 3 for e in json_stream(out)
                                                                 if "delta" in e for lp in e["delta"]["logprobs"])),
+    ('"choices"', lambda out, ok: generated(out, ok) and reply(out) in ("yes", "no")),
+    ('"regex"', lambda out, ok: generated(out, ok) and re.fullmatch("[0-9]{3}-[0-9]{4}", reply(out))),
     ("Generation/Generate", generated),
     ("Generation/Tokenize", lambda out, ok: ok and json_stream(out)[0]["token_ids"]),
     ("Generation/GetModelInfo", lambda out, ok: ok and json_stream(out)[0]["model"] == "tiny-llama"),
