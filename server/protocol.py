@@ -65,7 +65,10 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
     )
 
 
-def constraint(structured: pb.StructuredOutput) -> Constraint | None:
+def constraint(structured) -> Constraint | None:
+    """The structured-output constraint of a message with a `constraint` oneof of
+    json_schema, json_object, regex, choice (its `choices`) and grammar: our
+    StructuredOutput, and vLLM's SamplingParams, which names them alike."""
     kind = structured.WhichOneof("constraint")
     if kind is None or (kind == "json_object" and not structured.json_object):
         return None

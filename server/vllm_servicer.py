@@ -27,7 +27,6 @@ from engine.output import RequestOutput
 from engine.sampler import TokenLogprob
 from engine.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams
 from engine.sequence import FinishReason, Sequence
-from engine.structured import Constraint
 from engine.models import architecture_of
 from server import package_version, protocol
 from server.kv_events import KvEventPublisher, SubscriberTooSlow
@@ -84,19 +83,8 @@ def sampling_params(p: vpb.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         top_logprobs=p.logprobs if p.HasField("logprobs") else None,
         skip_special_tokens=p.skip_special_tokens,
-        constraint=constraint(p),
+        constraint=protocol.constraint(p),  # (what the gateway sends for an OpenAI response_format)
     )
-
-
-def constraint(p: vpb.SamplingParams) -> Constraint | None:
-    """The structured-output constraint of vLLM's SamplingParams (what the gateway sends
-    for an OpenAI response_format)."""
-    kind = p.WhichOneof("constraint")
-    if kind is None or (kind == "json_object" and not p.json_object):
-        return None
-    if kind == "choice":
-        return Constraint(kind, tuple(p.choice.choices))
-    return Constraint(kind, "" if kind == "json_object" else getattr(p, kind))
 
 
 def _is_set(message, field: str) -> bool:
