@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine.config import ModelConfig
 from engine.gguf_meta import config_from_gguf, open_gguf
+from engine.quantization import quantize_at_load, read_quantized
 from engine.tokenizer import Tokenizer
 from engine.models import Architecture, architecture_for_hf, architecture_of
 from engine.weights import ModelWeights, Progress, Weights, check_weights, load_gguf_weights, load_hf_weights
@@ -48,7 +49,9 @@ def embedded_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / EMBEDDED_FILE
 
 
-def load_model(path: str | Path | None = None, progress: Progress | None = None) -> LoadedModel:
+def load_model(path: str | Path | None = None, progress: Progress | None = None,
+               quantization: str | None = None) -> LoadedModel:
+    """A model's config, weights (quantized at load to `quantization`, if given) and tokenizer."""
     model_path = Path(path) if path else embedded_model_path()
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist: pass a Hugging Face directory or a .gguf file")
@@ -58,7 +61,7 @@ def load_model(path: str | Path | None = None, progress: Progress | None = None)
             raise FileNotFoundError(f"{config_file} is missing: a Hugging Face model directory needs it")
         raw_cfg = json.loads(config_file.read_text())
         config = architecture_for_hf(raw_cfg).config_from_hf(raw_cfg)
-        weights = load_hf_weights(model_path, progress)
+        weights = read_quantized(raw_cfg.get("quantization_config"), load_hf_weights(model_path, progress))
         eos = raw_cfg.get("eos_token_id")
         tokenizer = Tokenizer.from_hf_dir(model_path, eos if isinstance(eos, list) else [eos] if eos is not None else None)
         name = model_path.name
@@ -70,6 +73,9 @@ def load_model(path: str | Path | None = None, progress: Progress | None = None)
         tokenizer = Tokenizer.from_gguf(reader)
     else:
         raise ValueError(f"{model_path} is neither a Hugging Face model directory nor a .gguf file")
+    if quantization:
+        weights = quantize_at_load(quantization, weights, [n for n, t in weights.items()
+                                                           if n.startswith("model.layers.") and len(t.shape) == 2])
     check_weights(weights, config)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")

@@ -5,7 +5,8 @@ Sources: a Hugging Face directory (`*.safetensors`, sharded or not: float32, flo
 and bfloat16) or a GGUF file (dequantized to float32 with the `gguf` package;
 llama.cpp's Q/K row permutation undone). A Tensor keeps its format so that each
 backend multiplies by it as it can: the CUDA backend uploads bfloat16 as it is, the
-numpy backend widens everything to float32. (Quantized formats plug in here.)
+numpy backend widens everything to float32. Integer and FP8 tensors are kept as
+stored, for engine/quantization to gather into quantized weights.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ _SAFETENSORS_DTYPES = {
     "BF16": np.uint16,  # bit patterns: numpy has no bfloat16
     "F64": np.float64,
 }
+_STORED_DTYPES = {"I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                  "F8_E4M3": np.uint8}  # (FP8 as its bit patterns)
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -41,8 +44,9 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Tensor:
-    """A checkpoint tensor as stored: float32 values ("f32"), or bfloat16 bit patterns
-    in uint16 ("bf16")."""
+    """A checkpoint tensor as stored: float32 values ("f32"), bfloat16 bit patterns in
+    uint16 ("bf16"), or integers and FP8 bit patterns as they are ("stored": the parts
+    of a quantized weight)."""
 
     data: np.ndarray
     format: str
@@ -60,6 +64,8 @@ class Tensor:
         return self.data.nbytes
 
     def float32(self) -> np.ndarray:
+        if self.format == "stored":
+            return self.data.astype(np.float32)
         return bf16_bits_to_f32(self.data) if self.format == "bf16" else self.data
 
     def bf16_bits(self) -> np.ndarray:
@@ -69,8 +75,8 @@ class Tensor:
     @staticmethod
     def stack(parts: list["Tensor"]) -> "Tensor":
         """The parts concatenated along their first dimension, in the format they share
-        (float32 if they differ)."""
-        if len({p.format for p in parts}) == 1:
+        (float32 if they differ, or are quantized: engine/quantization)."""
+        if all(isinstance(p, Tensor) for p in parts) and len({p.format for p in parts}) == 1:
             return Tensor(np.concatenate([p.data for p in parts]), parts[0].format)
         return Tensor.of(np.concatenate([p.float32() for p in parts]))
 
@@ -119,12 +125,15 @@ def _read_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
+        dtype = _SAFETENSORS_DTYPES.get(meta["dtype"]) or _STORED_DTYPES.get(meta["dtype"])
         if dtype is None:
             raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {meta['dtype']}")
         begin, end = meta["data_offsets"]
         raw = np.frombuffer(data[begin:end], dtype=dtype).reshape(meta["shape"])
-        yield name, Tensor(raw, "bf16") if meta["dtype"] == "BF16" else Tensor.of(raw)
+        if meta["dtype"] in _STORED_DTYPES:
+            yield name, Tensor(raw, "stored")
+        else:
+            yield name, Tensor(raw, "bf16") if meta["dtype"] == "BF16" else Tensor.of(raw)
 
 
 def load_hf_weights(path: Path, progress: Progress | None = None) -> Weights:

@@ -69,6 +69,7 @@ class ServerConfig:
     max_num_batched_tokens: int | None = None  # default: the backend's (DEFAULT_TOKEN_BUDGETS)
     max_model_len: int | None = None
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # the largest structured-output constraint a request may send
+    quantization: str | None = None  # quantize a bfloat16 checkpoint's layers at load (fp8)
     engine_process: bool = True  # False: the engine on a thread of the server's process
     max_waiting: int = 256
     grace: float = 30.0
@@ -108,7 +109,7 @@ class LoadingProgress:
 def build_engine(cfg: ServerConfig) -> LLMEngine:
     """The model on its backend with a KV cache as large as the settings allow (run
     where the engine will run: in its process, or in the server's)."""
-    model = load_model(cfg.model, LoadingProgress())
+    model = load_model(cfg.model, LoadingProgress(), cfg.quantization)
     backend = create_backend(cfg.device, model.config, model.model_weights(), cuda_graphs=not cfg.enforce_eager,
                              batch_invariant=cfg.batch_invariant)
     engine = LLMEngine(model, backend, EngineConfig(

@@ -64,6 +64,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="step the engine on a thread of the server's process instead of a process of its own "
                         "(one Python GIL for both: slower under many streams, simpler to debug or profile)")
     p.add_argument("--max-model-len", type=POSITIVE, help="context length (default: the model's, within the KV cache)")
+    p.add_argument("--quantization", choices=["fp8"],
+                   help="quantize the layers' weights at load: fp8 (e4m3, a scale per output row); quantized "
+                        "checkpoints (AWQ, GPTQ, FP8, compressed-tensors) load as they are without it")
     p.add_argument("--max-grammar-bytes", type=POSITIVE, default=d.max_grammar_bytes,
                    help="the largest structured-output constraint (JSON schema, regex, grammar or choices) a request "
                         f"may send, in bytes (default {d.max_grammar_bytes}); compiling one is bounded by llguidance's "

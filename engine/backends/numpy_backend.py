@@ -159,15 +159,17 @@ class NumpyBackend:
         blocks = np.asarray(block_table, dtype=np.int64)
         return (blocks[:, None] * self.block_size + np.arange(self.block_size)).ravel()[:length]
 
-    def forward(self, batch: list[ScheduledSeq]) -> np.ndarray:
-        """Run the scheduled tokens; return logits [sampling sequences, vocab]."""
+    def forward(self, batch: list[ScheduledSeq], every_token: bool = False) -> np.ndarray:
+        """Run the scheduled tokens; return logits [sampling sequences, vocab] (or of
+        every token of the batch: perplexity)."""
         ids = np.concatenate([self._tokens(s) for s in batch])
         ops = _StepOps(self, batch, self.embed[ids])
         for i in range(self.config.num_layers):
             ops.at_layer(i)
             self.architecture.layer(ops)
-        last = [ops.bounds[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
-        return rms_norm(ops.residual[last], self.final_norm, self.config.rms_norm_eps) @ self.lm_head.T
+        rows = (slice(None) if every_token else
+                [ops.bounds[i + 1] - 1 for i, s in enumerate(batch) if s.samples])
+        return rms_norm(ops.residual[rows], self.final_norm, self.config.rms_norm_eps) @ self.lm_head.T
 
     def _tokens(self, s: ScheduledSeq) -> list[int]:
         """The step's input tokens; a pending one is the one this backend sampled last step."""

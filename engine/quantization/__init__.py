@@ -1,0 +1,17 @@
+"""Quantized checkpoints. Each format is a module that gathers a checkpoint's stored
+tensors for a linear weight (packed integers, scales, zero points) into one quantized
+tensor in a canonical layout, under the weight's plain name:
+
+- fp8.py: FP8 (e4m3) weights with per-tensor, per-channel or block scales
+  (compressed-tensors' float-quantized format, Hugging Face's `fp8`), and quantizing a
+  bfloat16 checkpoint to FP8 at load;
+- int4.py: INT4 weight-only, with group scales and zero points (AutoAWQ's GEMM layout,
+  GPTQ's with act-order, compressed-tensors' pack-quantized).
+
+A quantized tensor dequantizes to float32 (the numpy backend: the exact reference) or
+to bfloat16 (the CUDA backend, until kernels of its own read the format).
+"""
+
+from engine.quantization.formats import QUANTIZATION_METHODS, quantize_at_load, read_quantized
+
+__all__ = ["QUANTIZATION_METHODS", "quantize_at_load", "read_quantized"]

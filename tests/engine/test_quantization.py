@@ -1,0 +1,229 @@
+"""Quantized checkpoints (engine/quantization): FP8 e4m3 against ml_dtypes' float8
+(the reference implementation JAX uses), each INT4 layout unpacked against a plain
+per-element reading of its documented packing, a tiny model written in each format
+and served by the numpy backend, and the errors for formats llamastream does not serve."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from engine.backends import create_backend
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model_loader import load_model
+from engine.quantization.fp8 import E4M3, Fp8Weight, e4m3_to_f32, f32_to_e4m3
+from engine.quantization.int4 import AWQ_ORDER, Int4Weight, from_awq, from_gptq, from_pack_quantized, pack_int32
+from engine.quantization.int4 import _AWQ_SHIFTS
+from engine.sampling_params import SamplingParams
+from tests.conftest import TINY_MODEL, run, tokens
+
+RNG = np.random.default_rng(0)
+
+
+def test_e4m3_values_are_ml_dtypes_float8_e4m3fn():
+    reference = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert np.array_equal(E4M3, reference, equal_nan=True)
+
+
+def test_rounding_to_e4m3_is_ml_dtypes_rounding():
+    x = np.concatenate([RNG.standard_normal(20000) * s for s in (1e-3, 0.1, 1, 30, 300)]).astype(np.float32)
+    x = x[np.abs(x) <= 448]
+    ours = e4m3_to_f32(f32_to_e4m3(x))
+    reference = x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    # (both round to nearest; they may differ only at exact ties, which random floats never hit)
+    assert np.array_equal(ours, reference)
+
+
+def test_fp8_per_channel_quantization_keeps_each_row_within_its_step():
+    w = RNG.standard_normal((64, 256)).astype(np.float32)
+    q = Fp8Weight.quantize(w)
+    assert q.bits.dtype == np.uint8 and q.scale.shape == (64, 1)
+    assert np.allclose(np.abs(q.float32()).max(axis=1), np.abs(w).max(axis=1), rtol=1e-6)  # the row's maximum is exact
+    assert np.all(np.abs(q.float32() - w) <= np.abs(w) * 2 ** -4 + q.scale * 2 ** -9)  # half a step of 3 mantissa bits
+
+
+def test_fp8_block_scales_cover_each_block():
+    bits = f32_to_e4m3(RNG.standard_normal((200, 300)).astype(np.float32))
+    scale = RNG.uniform(0.5, 2, (2, 3)).astype(np.float32)
+    w = Fp8Weight(bits, scale, (128, 128)).float32()
+    assert np.array_equal(w[:128, :128], E4M3[bits[:128, :128]] * scale[0, 0])
+    assert np.array_equal(w[128:, 256:], E4M3[bits[128:, 256:]] * scale[1, 2])
+
+
+def random_int4(out: int, columns: int, group: int):
+    q = RNG.integers(0, 16, (out, columns)).astype(np.uint8)
+    zero = RNG.integers(0, 16, (out, columns // group)).astype(np.uint8)
+    scale = RNG.uniform(0.01, 0.1, (out, columns // group)).astype(np.float32)
+    return q, zero, scale
+
+
+def reference(q, zero, scale, group_of) -> np.ndarray:
+    """w[o, i] = (q[o, i] - zero[o, g(i)]) * scale[o, g(i)], one element at a time."""
+    w = np.empty(q.shape, np.float32)
+    for o in range(q.shape[0]):
+        for i in range(q.shape[1]):
+            g = group_of[i]
+            w[o, i] = (float(q[o, i]) - float(zero[o, g])) * float(np.float16(scale[o, g]))
+    return w
+
+
+def test_awq_words_hold_columns_in_awqs_interleaved_order():
+    """AutoAWQ packs output columns 0, 2, 4, 6, 1, 3, 5, 7 into nibbles 0..7."""
+    q, zero, scale = random_int4(16, 32, 8)
+    qweight = np.zeros((32, 2), np.uint32)
+    for i in range(32):
+        for word in range(2):
+            for nibble, column in enumerate(AWQ_ORDER):
+                qweight[i, word] |= np.uint32(q[word * 8 + column, i]) << np.uint32(4 * nibble)
+    qzeros = pack_int32(zero.T, axis=1, shifts=_AWQ_SHIFTS)
+    got = from_awq(qweight.view(np.int32), qzeros, scale.T.astype(np.float16), 8)
+    assert np.array_equal(got.float32(), reference(q, zero, scale, np.arange(32) // 8))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("v1", [True, False], ids=["gptq", "gptq_v2"])
+def test_gptq_words_hold_input_rows_in_order(act_order, v1):
+    q, zero, scale = random_int4(16, 32, 8)
+    zero = np.maximum(zero, 1)  # (the original format stores zero - 1)
+    group_of = RNG.permutation(np.arange(32) // 8).astype(np.int32) if act_order else np.arange(32) // 8
+    qweight = np.zeros((4, 16), np.uint32)
+    for i in range(32):
+        qweight[i // 8] |= q[:, i].astype(np.uint32) << np.uint32(4 * (i % 8))
+    stored_zero = zero.T - 1 if v1 else zero.T
+    got = from_gptq(qweight.view(np.int32), pack_int32(stored_zero, axis=1), scale.T.astype(np.float16),
+                    group_of if act_order else None, 8, zeros_minus_one=v1)
+    assert np.array_equal(got.float32(), reference(q, zero, scale, group_of))
+
+
+def test_pack_quantized_symmetric_is_offset_by_eight():
+    q, _, scale = random_int4(16, 32, 8)
+    packed = np.zeros((16, 4), np.uint32)
+    for i in range(32):
+        packed[:, i // 8] |= q[:, i].astype(np.uint32) << np.uint32(4 * (i % 8))
+    got = from_pack_quantized(packed.view(np.int32), scale.astype(np.float16).astype(np.float32), None, (16, 32), 8)
+    assert np.array_equal(got.float32(), reference(q, np.full((16, 4), 8), scale, np.arange(32) // 8))
+
+
+def quantize_int4(w: np.ndarray, group: int) -> Int4Weight:
+    """Asymmetric INT4 with per-group min/max (what AWQ and GPTQ checkpoints hold)."""
+    out, columns = w.shape
+    g = w.reshape(out, columns // group, group)
+    lo, hi = np.minimum(g.min(axis=2), 0), np.maximum(g.max(axis=2), 0)  # (0 in range: the zero point is a nibble)
+    scale = (np.maximum(hi - lo, 1e-8) / 15).astype(np.float16).astype(np.float32)
+    zero = np.clip(np.round(-lo / scale), 0, 15).astype(np.uint8)
+    q = np.clip(np.round(g / scale[..., None]) + zero[..., None], 0, 15).astype(np.uint8).reshape(out, columns)
+    return Int4Weight(q, scale, zero, (np.arange(columns) // group).astype(np.int32))
+
+
+def write_awq(source, out_dir, group: int = 16):
+    """The tiny model's checkpoint with every layer linear in AutoAWQ's GEMM layout."""
+    shutil.copytree(source, out_dir)
+    model = load_model(source)
+    tensors = {}
+    for name, t in model.weights.items():
+        w = t.float32()
+        if ".layers." in name and w.ndim == 2:
+            base = name[: -len(".weight")]
+            q4 = quantize_int4(w, group)
+            tensors[base + ".qweight"] = pack_int32(q4.q.T, axis=1, shifts=_AWQ_SHIFTS)
+            tensors[base + ".qzeros"] = pack_int32(q4.zero.T, axis=1, shifts=_AWQ_SHIFTS)
+            tensors[base + ".scales"] = q4.scale.T.astype(np.float16)
+        else:
+            tensors[name] = w
+    (out_dir / "model.safetensors").unlink()
+    save_file({name: np.ascontiguousarray(t) for name, t in tensors.items()}, str(out_dir / "model.safetensors"))
+    config = json.loads((out_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "version": "gemm", "w_bit": 4, "q_group_size": group,
+                                     "zero_point": True}
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_an_awq_checkpoint_loads_and_serves_close_to_its_source(tmp_path):
+    source = write_awq(TINY_MODEL, tmp_path / "awq")
+    quantized = load_model(tmp_path / "awq")
+    w = quantized.weights["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(w, Int4Weight) and w.nbytes < source.weights["model.layers.0.mlp.down_proj.weight"].nbytes / 6
+    error = np.abs(w.float32() - source.weights["model.layers.0.mlp.down_proj.weight"].float32()).max()
+    assert error < 0.5 * w.scale.max() + 1e-6  # within half a quantization step
+    prompt = [1, 5, 9, 42, 7, 300, 12]
+    engine = LLMEngine(quantized, create_backend("cpu", quantized.config, quantized.model_weights()),
+                       EngineConfig(num_kv_blocks=64))
+    outs = run(engine, [engine.make_sequence("q", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))])
+    assert len(tokens(outs["q"])) == 8
+
+
+def test_formats_llamastream_does_not_serve_are_named(tmp_path):
+    shutil.copytree(TINY_MODEL, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    for quantization, says in [({"quant_method": "bitsandbytes"}, "'bitsandbytes', which llamastream does not serve"),
+                               ({"quant_method": "awq", "version": "gemv"}, "AWQ gemv"),
+                               ({"quant_method": "gptq", "bits": 8}, "GPTQ with 8 bits"),
+                               ({"quant_method": "compressed-tensors", "format": "sparse-bitmask"}, "'sparse-bitmask'")]:
+        (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+        with pytest.raises(ValueError, match=says):
+            load_model(tmp_path / "m")
+
+
+def test_a_config_that_does_not_match_its_tensors_names_the_tensor(tmp_path):
+    write_awq(TINY_MODEL, tmp_path / "awq", group=16)
+    config = json.loads((tmp_path / "awq" / "config.json").read_text())
+    config["quantization_config"]["q_group_size"] = 8  # the scales say 16
+    (tmp_path / "awq" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"model\.layers\.\d+\.\S+: its packed weights"):
+        load_model(tmp_path / "awq")
+
+
+def test_quantizing_at_load_to_fp8_keeps_the_head_and_serves():
+    model = load_model(TINY_MODEL, quantization="fp8")
+    layers = [t for n, t in model.weights.items() if n.startswith("model.layers.") and len(t.shape) == 2]
+    assert layers and all(isinstance(t, Fp8Weight) for t in layers)
+    assert not isinstance(model.weights["model.embed_tokens.weight"], Fp8Weight)
+    engine = LLMEngine(model, create_backend("cpu", model.config, model.model_weights()), EngineConfig(num_kv_blocks=64))
+    outs = run(engine, [engine.make_sequence("q", [1, 5, 9], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))])
+    assert len(tokens(outs["q"])) == 4
+
+
+def perplexity(model, text: str) -> float:
+    """exp of the mean negative log-likelihood of each token of `text` given those before."""
+    from engine.scheduler import ScheduledSeq
+    from engine.sampler import log_softmax
+
+    engine = LLMEngine(model, create_backend("cpu", model.config, model.model_weights()), EngineConfig(num_kv_blocks=64))
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    seq = engine.make_sequence("ppl", ids, SamplingParams(max_tokens=1))
+    engine.block_manager.allocate(seq, len(ids))
+    logits = engine.backend.forward([ScheduledSeq(seq, 0, len(ids))], every_token=True)
+    nll = [-log_softmax(logits[i].astype(np.float64))[ids[i + 1]] for i in range(len(ids) - 1)]
+    return float(np.exp(np.mean(nll)))
+
+
+def answer(model) -> str:
+    engine = LLMEngine(model, create_backend("cpu", model.config, model.model_weights()), EngineConfig(num_kv_blocks=64))
+    t = engine.tokenizer
+    prompt = t.encode(t.render_chat([{"role": "user", "content": "What is the capital of France?"}]))
+    outs = run(engine, [engine.make_sequence("a", prompt, SamplingParams(temperature=0.0, max_tokens=12))])
+    return t.decode(tokens(outs["a"]), skip_special_tokens=True)
+
+
+def test_smollm2_quantized_still_answers_paris_and_its_perplexity_is_reported(tmp_path):
+    """Real weights: the embedded SmolLM2 as shipped (its Q4_1 GGUF, dequantized), in
+    FP8 (quantized at load) and in INT4 (written as an AWQ checkpoint, groups of 64)."""
+    from engine.model_loader import convert_gguf, embedded_model_path
+
+    text = (TINY_MODEL.parent / "perplexity.txt").read_text()
+    hf_dir = convert_gguf(embedded_model_path(), tmp_path / "smollm2")
+    write_awq(hf_dir, tmp_path / "smollm2-awq", group=64)
+    models = {"as shipped": load_model(hf_dir), "fp8": load_model(hf_dir, quantization="fp8"),
+              "int4 (awq)": load_model(tmp_path / "smollm2-awq")}
+    figures = {name: perplexity(model, text) for name, model in models.items()}
+    print("\nSmolLM2-135M perplexity on tests/fixtures/perplexity.txt: "
+          + ", ".join(f"{name} {ppl:.2f}" for name, ppl in figures.items()))
+    for name, model in models.items():
+        assert "Paris" in answer(model), name
+    assert figures["fp8"] < 1.05 * figures["as shipped"] and figures["int4 (awq)"] < 1.3 * figures["as shipped"]
