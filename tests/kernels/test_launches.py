@@ -107,3 +107,16 @@ def test_a_prompts_last_chunk_replays_a_graph_when_short(model):
     assert last["cuGraphLaunch"] == 1 and "embedding_gather" not in last  # the other 44, sampling
     steps = engine_steps(model, [(list(range(1, 20)), dict(GREEDY, max_tokens=2))], cuda_graphs=True)
     assert all(Counter(launch.kernel for launch in step)["cuGraphLaunch"] == 1 for step in steps)
+
+
+def test_quantized_weights_run_as_bfloat16_until_their_kernels_exist(model):
+    """An FP8 checkpoint (or one quantized at load) uploads its layers dequantized to
+    bfloat16: the same launches as a bfloat16 model."""
+    from engine.quantization.fp8 import Fp8Weight
+
+    quantized = dataclasses.replace(model, weights={
+        name: Fp8Weight.quantize(t.float32()) if name.startswith("model.layers.") and len(t.shape) == 2 else t
+        for name, t in model.weights.items()})
+    request = [(list(range(1, 20)), dict(GREEDY, max_tokens=3))]
+    shapes = [[(launch.kernel, launch.grid) for launch in step] for step in engine_steps(quantized, request)]
+    assert shapes == [[(launch.kernel, launch.grid) for launch in step] for step in engine_steps(model, request)]
