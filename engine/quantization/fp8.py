@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.weights import f32_to_bf16_bits
+from engine.quantization.base import QuantizedWeight
 
 E4M3_MAX = 448.0
 
@@ -43,32 +43,25 @@ def f32_to_e4m3(x: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Fp8Weight:
+class Fp8Weight(QuantizedWeight):
     """A linear weight [out, in] of e4m3 bit patterns and its scales: one for the
     tensor, one per output row, or one per block of `block` (rows, columns)."""
 
-    bits: np.ndarray  # uint8 [out, in]
+    codes: np.ndarray  # uint8 [out, in]: e4m3 bit patterns
     scale: np.ndarray  # float32: [1, 1], [out, 1] or [ceil(out / rows), ceil(in / cols)]
     block: tuple[int, int] | None = None
     format: str = "fp8"
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.bits.shape
-
-    @property
     def nbytes(self) -> int:
-        return self.bits.nbytes + self.scale.nbytes
+        return self.codes.nbytes + self.scale.nbytes
 
     def float32(self) -> np.ndarray:
         scale = self.scale
         if self.block is not None:
             rows, cols = self.block
             scale = np.repeat(np.repeat(scale, rows, axis=0), cols, axis=1)[: self.shape[0], : self.shape[1]]
-        return e4m3_to_f32(self.bits) * scale
-
-    def bf16_bits(self) -> np.ndarray:
-        return f32_to_bf16_bits(self.float32())
+        return e4m3_to_f32(self.codes) * scale
 
     @staticmethod
     def quantize(w: np.ndarray) -> "Fp8Weight":

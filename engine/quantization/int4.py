@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.weights import f32_to_bf16_bits
+from engine.quantization.base import QuantizedWeight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _AWQ_SHIFTS = 4 * np.argsort(AWQ_ORDER)  # column j of a word sits at nibble AWQ_REVERSE[j]
@@ -45,28 +45,21 @@ def pack_int32(values: np.ndarray, axis: int, shifts: np.ndarray = _SHIFTS) -> n
 
 
 @dataclass(frozen=True)
-class Int4Weight:
-    q: np.ndarray  # uint8 [out, in], 0..15
+class Int4Weight(QuantizedWeight):
+    codes: np.ndarray  # uint8 [out, in], 0..15
     scale: np.ndarray  # float32 [out, groups]
     zero: np.ndarray  # uint8 [out, groups]
     group: np.ndarray  # int32 [in]: the group of each input column
     format: str = "int4"
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.q.shape
-
-    @property
     def nbytes(self) -> int:
         """As stored: half a byte a weight, and the group parameters."""
-        return self.q.size // 2 + self.scale.size * 2 + self.zero.size // 2
+        return self.codes.size // 2 + self.scale.size * 2 + self.zero.size // 2
 
     def float32(self) -> np.ndarray:
         g = self.group
-        return (self.q.astype(np.float32) - self.zero[:, g]) * self.scale[:, g]
-
-    def bf16_bits(self) -> np.ndarray:
-        return f32_to_bf16_bits(self.float32())
+        return (self.codes.astype(np.float32) - self.zero[:, g]) * self.scale[:, g]
 
 
 def groups_in_order(columns: int, group_size: int) -> np.ndarray:

@@ -42,7 +42,7 @@ def test_rounding_to_e4m3_is_ml_dtypes_rounding():
 def test_fp8_per_channel_quantization_keeps_each_row_within_its_step():
     w = RNG.standard_normal((64, 256)).astype(np.float32)
     q = Fp8Weight.quantize(w)
-    assert q.bits.dtype == np.uint8 and q.scale.shape == (64, 1)
+    assert q.codes.dtype == np.uint8 and q.scale.shape == (64, 1)
     assert np.allclose(np.abs(q.float32()).max(axis=1), np.abs(w).max(axis=1), rtol=1e-6)  # the row's maximum is exact
     assert np.all(np.abs(q.float32() - w) <= np.abs(w) * 2 ** -4 + q.scale * 2 ** -9)  # half a step of 3 mantissa bits
 
@@ -130,7 +130,7 @@ def write_awq(source, out_dir, group: int = 16):
         if ".layers." in name and w.ndim == 2:
             base = name[: -len(".weight")]
             q4 = quantize_int4(w, group)
-            tensors[base + ".qweight"] = pack_int32(q4.q.T, axis=1, shifts=_AWQ_SHIFTS)
+            tensors[base + ".qweight"] = pack_int32(q4.codes.T, axis=1, shifts=_AWQ_SHIFTS)
             tensors[base + ".qzeros"] = pack_int32(q4.zero.T, axis=1, shifts=_AWQ_SHIFTS)
             tensors[base + ".scales"] = q4.scale.T.astype(np.float16)
         else:
