@@ -23,6 +23,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports (for replicas on consecutive ports:
+    the port after a free one may be any connection's)."""
+    while True:
+        first = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + count):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+
+
 class ServerProcess:
     """`python -m server serve` in a subprocess, as a user would start it (or `command`,
     given the port after it). Its output goes to a file: a pipe that nobody reads

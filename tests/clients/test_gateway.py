@@ -21,7 +21,7 @@ import jsonschema
 import openai
 import pytest
 
-from devtools.servers import GatewayProcess, ServerProcess, free_port, wait_serving
+from devtools.servers import GatewayProcess, ServerProcess, free_port, free_ports, wait_serving
 from engine.model_loader import convert_gguf, embedded_model_path
 from tests.deploy.test_manifests import container, named
 from tests.server.test_observability import scrape
@@ -273,7 +273,7 @@ def test_with_a_cache_aware_policy_a_shared_system_prompt_is_mostly_found_cached
 def test_llamastream_gateway_serves_replicas_and_restarts_a_dead_one(model_dir, tmp_path):
     """`llamastream gateway` as a user runs it: two replicas behind smg; one killed is
     started again on its port and serves; SIGTERM stops it all cleanly."""
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = free_port(), free_ports(2)  # (the replicas take grpc_port and the next)
     log = (tmp_path / "gateway.log").open("w+")
     proc = subprocess.Popen([sys.executable, "-m", "server", "gateway", "--replicas", "2", "--host", "127.0.0.1",
                              "--port", str(port), "--grpc-port", str(grpc_port), "--gateway-metrics-port",
