@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from llamastream.v1 import generation_pb2 as pb  # noqa: E402
 from llamastream.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 from devtools.servers import GatewayProcess, ServerProcess  # noqa: E402
+from server.gateway import model_directory  # noqa: E402
 
 
 @dataclass
@@ -229,7 +229,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         # The gateway names the model after its tokenizer's folder, and routes a request
         # to the workers serving that name: the server serves the same folder.
-        model = str(gateway_model_dir(args.model, stack)) if args.gateway else args.model
+        model = str(model_directory(args.model)) if args.gateway else args.model
         if args.address is None:
             flags = [*(["--model", model] if model else []), "--device", args.device, *args.server_arg]
             address = stack.enter_context(ServerProcess(*flags)).address
@@ -274,16 +274,6 @@ def flush_prefix_cache(address: str) -> None:
     with grpc.insecure_channel(address) as channel:
         pb_grpc.GenerationStub(channel).FlushCache(pb.FlushCacheRequest(), timeout=30)
     time.sleep(0.1)  # (applied before the engine's next step)
-
-
-def gateway_model_dir(model: str | None, stack: contextlib.ExitStack) -> Path:
-    """A Hugging Face directory with the model's tokenizer, for the gateway."""
-    if model and Path(model).is_dir():
-        return Path(model)
-    from engine.model_loader import convert_gguf, embedded_model_path
-
-    out = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "model"
-    return convert_gguf(model or embedded_model_path(), out)
 
 
 def as_text(prompts: list[list[int]], model_dir: Path) -> list[str]:

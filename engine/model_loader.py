@@ -74,8 +74,7 @@ def load_model(path: str | Path | None = None, progress: Progress | None = None,
     else:
         raise ValueError(f"{model_path} is neither a Hugging Face model directory nor a .gguf file")
     if quantization:
-        weights = quantize_at_load(quantization, weights, [n for n, t in weights.items()
-                                                           if n.startswith("model.layers.") and len(t.shape) == 2])
+        weights = quantize_at_load(quantization, weights)
     check_weights(weights, config)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")

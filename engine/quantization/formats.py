@@ -108,13 +108,13 @@ def _checked(name: str, weight):
     return weight
 
 
-def quantize_at_load(method: str, weights: Weights, linears: list[str]) -> Weights:
-    """A bfloat16 (or float32) checkpoint's `linears` quantized (`--quantization fp8`:
-    per-output-channel scales)."""
+def quantize_at_load(method: str, weights: Weights) -> Weights:
+    """A bfloat16 (or float32) checkpoint's layer matrices quantized (`--quantization
+    fp8`: per-output-channel scales); the embedding and the head stay as they are."""
     if method not in QUANTIZE_AT_LOAD:
         raise ValueError(f"--quantization {method}: llamastream quantizes at load to {', '.join(QUANTIZE_AT_LOAD)}")
     out = dict(weights)
-    for name in linears:
+    for name in [n for n, t in weights.items() if n.startswith("model.layers.") and len(t.shape) == 2]:
         if not isinstance(out[name], Tensor):
             raise ValueError(f"--quantization {method}: {name} is quantized already (the checkpoint is): "
                              "leave --quantization out")

@@ -46,8 +46,8 @@ class GuideCompiler:
         description of what is wrong. llguidance bounds the work of compiling it (its
         default parser limits); the specification's size is bounded here."""
         if constraint.size > self.max_grammar_bytes:
-            raise InvalidRequest(f"structured.{constraint.kind}: {constraint.size} bytes, more than the {self.max_grammar_bytes} "
-                                 "this server takes (--max-grammar-bytes): send a smaller one")
+            raise InvalidRequest(f"structured.{constraint.kind}: {constraint.size} bytes, more than the "
+                                 f"{self.max_grammar_bytes} this server takes (--max-grammar-bytes): send a smaller one")
         grammar = constraint.grammar()
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.llg_tokenizer)
         if failed:
@@ -83,20 +83,20 @@ class Guide:
             raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
 
 
-_executor: llguidance.LLExecutor | None = None
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    """llguidance's pool of threads for computing masks, one for the process."""
+    return llguidance.LLExecutor()
 
 
 def fill_masks(guides: list[Guide | None], vocab_size: int) -> np.ndarray:
     """The bitmask rows of a step's sampling rows, in order (int32 [rows, words]; token t
     is bit t % 32 of word t // 32): each guide's allowed tokens, computed in parallel by
     llguidance's threads, and every token for a row without a guide."""
-    global _executor
     masks = np.full(llguidance.numpy.get_bitmask_shape(len(guides), vocab_size), ALL_ALLOWED, np.int32)
     rows = [(g.matcher, i) for i, g in enumerate(guides) if g is not None]
     if rows:
-        if _executor is None:
-            _executor = llguidance.LLExecutor()
-        llguidance.numpy.fill_next_token_bitmask_par(_executor, rows, masks)
+        llguidance.numpy.fill_next_token_bitmask_par(_executor(), rows, masks)
         guided = [i for _, i in rows]
         no_eos = _without(tuple(guides[guided[0]].eos_token_ids), masks.shape[1])
         for i, must_stop in zip(guided, ~(masks[guided].view(np.uint32) & no_eos).any(axis=1)):
