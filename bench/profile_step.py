@@ -2,8 +2,9 @@
 every launch and GEMM of an eager step): a 1024-token prefill, a decode step at batch 1
 with a 200-token context and one at batch 256 with ~850-token contexts; then, with CUDA
 graphs, the wall time of a batch-1 engine step beside the GPU time of its graph replay,
-and that step's kernels timed as its graph runs them (each kernel's launches replayed
-alone in a graph with programmatic launches); and the bandwidth cuBLAS reaches on each
+and the kernels and GEMMs of that step, and of 64 prompt tokens after 1,024 cached,
+timed as a graph runs them (each one's launches replayed alone in a graph with
+programmatic launches); and the bandwidth cuBLAS reaches on each
 weight matrix at 1 to 256 rows, and our GEMV at one row, launched one by one and as a
 decode graph runs it, back to back with programmatic launches (`graph`). Llama 3.2 1B
 shape, bfloat16, random weights.
@@ -120,30 +121,51 @@ def graph_step_times(model) -> None:
           f"of which the forward replay is {np.median(gpus):.3f} ms of GPU time")
 
 
-def graph_kernel_table(model) -> None:
-    """A batch-1 decode step's kernels as a CUDA graph runs them. Events around each
-    launch of an eager step (the table further down) add a gap per launch that a graph
-    does not have, so here the launches of one eager step are recorded, and each
-    kernel's launches (16 or so: one a layer) are replayed alone, back to back with
-    programmatic launches, in a graph of REPEATS steps' worth. The last row replays
-    every launch in order: it should come near the step graph's own GPU time."""
-    backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False)
-    engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
+def decode_at_129(engine: LLMEngine) -> None:
+    """Up to the second decode step of a 128-token prompt (context 129)."""
     engine.add(engine.make_sequence("b1", list(range(1000, 1128)), SamplingParams(temperature=0.0, max_tokens=64,
                                                                                    ignore_eos=True)))
     engine.step()  # the prompt
-    launches = []  # (kernel name, grid, block, arguments after the stream, keywords)
+
+
+def tail_after_cached_prefix(engine: LLMEngine) -> None:
+    """Up to a prompt whose first 1,024 tokens are cached: its step computes the 64 others."""
+    prefix = list(range(1000, 2024))
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    engine.add(engine.make_sequence("first", prefix, params))
+    while engine.has_work():
+        engine.step()
+    engine.add(engine.make_sequence("tail", prefix + list(range(3000, 3064)), params))
+
+
+def graph_kernel_table(model, title: str, prepare) -> None:
+    """A step's kernels as a CUDA graph runs them. Events around each launch of an eager
+    step (the table further down) add a gap per launch that a graph does not have, so
+    here the launches of one eager step (after `prepare`) are recorded, and each
+    kernel's launches (16 or so: one a layer) are replayed alone, back to back with
+    programmatic launches, in a graph of REPEATS steps' worth; cuBLAS calls by weight
+    shape. The last row replays every launch in order: it should come near the step
+    graph's own GPU time."""
+    backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False)
+    engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
+    prepare(engine)
+    launches = []  # (name, function, grid, block, arguments after the stream, keywords); GEMMs: grid None
     for name, fn in backend.kernels.functions.items():
         def record(grid, block, stream, *args, _name=name, _call=fn.prepared_async_call, **kwargs):
             launches.append((_name, grid, block, args, kwargs))
             return _call(grid, block, stream, *args, **kwargs)
         fn.prepared_async_call = record
-    gemms = []
-    backend.blas.gemm = lambda *args, _call=backend.blas.gemm, **kwargs: (gemms.append(args), _call(*args, **kwargs))
+    blas_gemm = backend.blas.gemm
+
+    def gemm(*args):
+        rows, d_in, d_out = args[-3:]
+        launches.append((f"cuBLAS {rows}x{d_in} by {d_out}", None, None, args, {}))
+        blas_gemm(*args)
+    backend.blas.gemm = gemm
     engine.step()  # (its buffers go back to the memory pool, which keeps them: the replays below reuse them)
     repeats = 20
-    print(f"\nbatch-1 decode step (context 129) as a CUDA graph runs it, kernel by kernel ({len(gemms)} cuBLAS calls left out)")
-    print(f"{'kernel':>26} | launches | us a step | us a launch")
+    print(f"\n{title} as a CUDA graph runs it, kernel by kernel")
+    print(f"{'kernel':>34} | launches | us a step | us a launch")
     with backend._context():
         kernels = Kernels(*backend.kernel_build, programmatic=True)
 
@@ -152,13 +174,16 @@ def graph_kernel_table(model) -> None:
             def queue():
                 for _ in range(repeats):
                     for name, grid, block, args, kwargs in chosen:
-                        kernels.functions[name].prepared_async_call(grid, block, backend.stream, *args, **kwargs)
+                        if grid is None:
+                            blas_gemm(*args)
+                        else:
+                            kernels.functions[name].prepared_async_call(grid, block, backend.stream, *args, **kwargs)
             return graph_ms(backend.stream, queue) * 1e3 / repeats
         names = list(dict.fromkeys(name for name, *_ in launches))
         rows = [(name, [launch for launch in launches if launch[0] == name]) for name in names] + [("all, in order", launches)]
         for name, chosen in rows:
             us = replay_time(chosen)
-            print(f"{name:>26} | {len(chosen):>8} | {us:9.1f} | {us / len(chosen):11.2f}")
+            print(f"{name:>34} | {len(chosen):>8} | {us:9.1f} | {us / len(chosen):11.2f}")
 
 
 def gemm_table(backend: CudaBackend) -> None:
@@ -205,7 +230,8 @@ def main() -> None:
         make_model(Path(tmp), LLAMA_32_1B, seed=0)
         model = load_model(tmp)
     graph_step_times(model)
-    graph_kernel_table(model)
+    graph_kernel_table(model, "batch-1 decode step (context 129)", decode_at_129)
+    graph_kernel_table(model, "64 prompt tokens after 1,024 cached", tail_after_cached_prefix)
     backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False)
     gemm_table(backend)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192))

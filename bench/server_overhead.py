@@ -55,6 +55,9 @@ class EmulatedBackend:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
         pass
 
+    def host_array(self, shape, dtype):
+        return np.empty(shape, dtype)
+
     def execute(self, batch, masks=None):
         return self.launch(batch, masks)()
 

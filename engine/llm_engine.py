@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,7 +24,8 @@ from engine.output import OutputStream, RequestOutput, Usage
 from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import FinishReason, Sequence
-from engine.structured import DEFAULT_MAX_GRAMMAR_BYTES, GuideCompiler, fill_masks
+from engine.structured import (DEFAULT_MAX_GRAMMAR_BYTES, Guide, GuideCompiler, accept_tokens, fill_masks,
+                               start_filling_masks)
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("llamastream.engine")
@@ -100,11 +102,17 @@ class EngineInfo:
 class InFlightStep:
     """A batch queued on the backend, and what waits for its samples. A batch whose
     structured outputs' masks need the tokens of the step before it is queued without
-    its sampling (`wait` None), which `sample` queues once those tokens are back."""
+    its sampling (`wait` None): once those tokens are back its masks are filled
+    (`masks`), and `sample` queues its sampling with them before anything else is
+    queued after it."""
 
     batch: list[ScheduledSeq]
     wait: Wait | None
     sample: SampleLater | None = None
+    masks: Future[np.ndarray] | None = None
+
+    def queue_sampling(self) -> None:
+        self.wait = self.sample(self.masks.result())
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,7 @@ class LLMEngine:
         self._launching: list[ScheduledSeq] = []  # a batch being queued on the backend
         self._unsent: list[OutputStream] = []  # streams with recorded tokens not yet emitted
         self._with_penalties = 0  # live requests whose sampling reads their earlier tokens
+        self._mask_buffers: list[np.ndarray] = []  # made on first use, taken in turn: see _mask_buffer
 
     def _context_length(self, model_context: int) -> int:
         """The model's context, or max_model_len, within the KV cache; says why if it is less than asked."""
@@ -205,9 +214,12 @@ class LLMEngine:
         """Schedule a batch and queue it on the backend; False if nothing was scheduled.
         Its sampled tokens are pending until end_step. Where a structured output's last
         token is still pending, its mask cannot be known yet: the forward pass is queued
-        now, and the sampling once end_step has that token (the device computes the
-        forward pass meanwhile)."""
+        now, and the sampling once end_step has that token and the masks are filled
+        (the device computes the forward pass meanwhile; the engine's thread emits
+        and schedules the next batch while another thread fills the masks)."""
         batch = self.scheduler.schedule()
+        if self._in_flight and self._in_flight[-1].wait is None:  # (its sampling goes before this batch)
+            self._in_flight[-1].queue_sampling()
         if not batch:
             return False
         self._launching = batch
@@ -225,30 +237,50 @@ class LLMEngine:
         return True
 
     def _masks(self, batch: list[ScheduledSeq]) -> np.ndarray:
-        """The allowed tokens of each sampling row (engine/structured)."""
-        return fill_masks([s.seq.guide for s in batch if s.samples], self.model.config.vocab_size)
+        """The allowed tokens of each sampling sequence with a guide, in order (engine/structured)."""
+        return fill_masks(self._guides(batch), self.model.config.vocab_size, self._mask_buffer())
+
+    def _mask_buffer(self) -> np.ndarray:
+        """Memory for a step's masks that the backend uploads without waiting. Steps take
+        the buffers in turn: a step's masks are filled when at most one step before it
+        is in flight, so the buffer it takes was last a step's that has ended."""
+        if not self._mask_buffers:
+            shape = (self.config.max_num_seqs, -(-self.model.config.vocab_size // 32))
+            self._mask_buffers = [self.backend.host_array(shape, np.int32) for _ in range(MAX_STEPS_IN_FLIGHT)]
+        self._mask_buffers.append(self._mask_buffers.pop(0))
+        return self._mask_buffers[0]
+
+    @staticmethod
+    def _guides(batch: list[ScheduledSeq]) -> list[Guide]:
+        return [s.seq.guide for s in batch if s.samples and s.seq.guide is not None]
 
     def end_step(self) -> None:
         """Wait for the oldest batch in flight, record its tokens and take the sequences
         that hit a stop token, their grammar's end or their length out of the schedule;
-        then queue the next batch's sampling if it waited for these tokens. Deltas wait
-        for emit()."""
+        then start filling the next batch's masks if its sampling waits for these tokens.
+        Deltas wait for emit()."""
         step = self._in_flight[0]
+        if step.wait is None:
+            step.queue_sampling()
         samples = step.wait()
         self._in_flight.popleft()
+        accepted = []  # (guide, token): the guides advance with the next step's masks
         for scheduled, sample in zip(step.batch, samples):
             seq = scheduled.seq
             if sample is None or seq.is_finished:  # (ended while this batch ran: its token is dropped)
                 continue
             if seq.guide is not None:
-                seq.guide.accept(sample.token_id)
+                accepted.append((seq.guide, sample.token_id))
             stream = self._streams[seq.request_id]
             if stream.record(sample):
                 self.scheduler.finish(seq)
             self._unsent.append(stream)
-        if self._in_flight and self._in_flight[0].wait is None:
-            waiting = self._in_flight[0]
-            waiting.wait = waiting.sample(self._masks(waiting.batch))
+        waiting = self._in_flight[0] if self._in_flight else None
+        if waiting is not None and waiting.wait is None:
+            waiting.masks = start_filling_masks(self._guides(waiting.batch), self.model.config.vocab_size,
+                                                self._mask_buffer(), accepted)
+        else:
+            accept_tokens(accepted)
 
     def emit(self) -> list[RequestOutput]:
         """The deltas of the tokens recorded since the last call."""
@@ -270,6 +302,9 @@ class LLMEngine:
             for seq in doomed
             if seq.request_id in self._streams  # (checked as the list is built: each fails once)
         ]
+        for step in self._in_flight:  # (masks being filled read their guides: let them finish)
+            if step.masks is not None:
+                step.masks.exception()
         self._in_flight.clear()
         self._launching, self._unsent = [], []
         return failed

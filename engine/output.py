@@ -92,8 +92,9 @@ class OutputStream:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         self.unsent.append(sample)
-        complete = seq.guide is not None and seq.guide.done and sample.token_id in seq.eos_token_ids
-        if sample.token_id in self.stop_ids or complete:  # (a complete structure's eos ends it, ignore_eos or not)
+        # (a guide allows eos only where its structure is complete: that eos ends it, ignore_eos or not)
+        complete = seq.guide is not None and sample.token_id in seq.eos_token_ids
+        if sample.token_id in self.stop_ids or complete:
             self.finish_reason = FinishReason.STOP
         elif self.recorded >= seq.max_tokens:
             self.finish_reason = FinishReason.LENGTH

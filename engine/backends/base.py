@@ -12,7 +12,8 @@ from engine.scheduler import ScheduledSeq
 
 Wait = Callable[[], list[SampleOutput | None]]  # a launched step's samples, one per scheduled sequence
 # A step whose forward pass is queued: queue its sampling, given its token masks
-# (engine/structured: int32 bitmask rows, one per sampling sequence, or None).
+# (engine/structured: int32 bitmask rows, one per sampling sequence with a guide, in
+# order, or None).
 SampleLater = Callable[[np.ndarray | None], Wait]
 # A step is launched while the one before it still runs, and ended (its tokens read
 # back) before a third is launched: a backend keeps this many steps' buffers.
@@ -28,12 +29,16 @@ class Backend(Protocol):
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
         """The paged cache; `max_batch` is the most sequences one step holds."""
 
+    def host_array(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        """Host memory that a launch copies to the device without waiting for the
+        device to reach the copy (page-locked on a GPU): for the token masks."""
+
     def launch(self, batch: list[ScheduledSeq], masks: np.ndarray | None = None) -> Wait:
         """Queue the step (a GPU returns at once, a CPU computes it first); the returned
         function waits for its samples (None for a sequence that samples nothing).
         A sequence's pending last token is the one this backend sampled for it in the
-        step before. `masks` holds the tokens each sampling sequence may choose from
-        (a set bit allows a token); a sequence with a guide samples within its row.
+        step before. `masks` holds the tokens each sampling sequence with a guide may
+        choose from, a row each in order (a set bit allows a token).
         The same as launch_forward(batch)(masks)."""
 
     def launch_forward(self, batch: list[ScheduledSeq]) -> SampleLater:

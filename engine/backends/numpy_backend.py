@@ -179,6 +179,9 @@ class NumpyBackend:
     def execute(self, batch: list[ScheduledSeq], masks: np.ndarray | None = None) -> list[SampleOutput | None]:
         return self.launch(batch, masks)()
 
+    def host_array(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        return np.empty(shape, dtype)
+
     def launch(self, batch: list[ScheduledSeq], masks: np.ndarray | None = None) -> Wait:
         """The CPU computes as it is asked: the step is done when this returns."""
         return self.launch_forward(batch)(masks)
@@ -187,14 +190,14 @@ class NumpyBackend:
         logits = self.forward(batch)
 
         def sample(masks: np.ndarray | None) -> Wait:
-            rows = iter(zip(logits, masks if masks is not None else [None] * len(logits)))
+            rows, guided = iter(logits), iter(masks if masks is not None else ())
             samples = []
             for s in batch:
                 if not s.samples:
                     samples.append(None)
                     continue
-                row, mask = next(rows)
-                samples.append(self._sample(s, row, mask if s.seq.guide is not None else None))
+                mask = next(guided) if s.seq.guide is not None and masks is not None else None
+                samples.append(self._sample(s, next(rows), mask))
             self._sampled = {s.seq: out.token_id for s, out in zip(batch, samples) if out is not None}
             return lambda: samples
         return sample

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.numpy
@@ -72,15 +73,6 @@ class Guide:
         self.matcher, self.eos_token_ids = matcher, eos_token_ids
         self.must_stop = False  # its last mask allowed nothing but eos
 
-    @property
-    def done(self) -> bool:
-        """The output is complete: nothing but eos may follow (or it has)."""
-        return self.matcher.is_stopped()
-
-    def accept(self, token: int) -> None:
-        """Advance past a sampled token (one the last mask allowed)."""
-        if not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
 
 
 @functools.cache
@@ -89,19 +81,62 @@ def _executor() -> llguidance.LLExecutor:
     return llguidance.LLExecutor()
 
 
-def fill_masks(guides: list[Guide | None], vocab_size: int) -> np.ndarray:
-    """The bitmask rows of a step's sampling rows, in order (int32 [rows, words]; token t
-    is bit t % 32 of word t // 32): each guide's allowed tokens, computed in parallel by
-    llguidance's threads, and every token for a row without a guide."""
-    masks = np.full(llguidance.numpy.get_bitmask_shape(len(guides), vocab_size), ALL_ALLOWED, np.int32)
-    rows = [(g.matcher, i) for i, g in enumerate(guides) if g is not None]
-    if rows:
-        llguidance.numpy.fill_next_token_bitmask_par(_executor(), rows, masks)
-        guided = [i for _, i in rows]
-        no_eos = _without(tuple(guides[guided[0]].eos_token_ids), masks.shape[1])
-        for i, must_stop in zip(guided, ~(masks[guided].view(np.uint32) & no_eos).any(axis=1)):
-            guides[i].must_stop = bool(must_stop)
+def accept_tokens(accepted: list[tuple[Guide, int]]) -> None:
+    """Advance each guide past its sampled token (one its last mask allowed), in
+    parallel on llguidance's threads."""
+    if accepted:
+        taken = llguidance.numpy.consume_token_par(_executor(), [(g.matcher, t) for g, t in accepted])
+        for (guide, token), ok in zip(accepted, taken):
+            if not ok:
+                raise RuntimeError(f"the grammar refused token {token}: {guide.matcher.get_error()}")
+
+
+def fill_masks(guides: list[Guide], vocab_size: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The guides' bitmask rows, in order (int32 [guides, words]; token t is bit t % 32
+    of word t // 32), computed in parallel by llguidance's threads, in the first rows of
+    `out` if given. Marks the guides whose row allows nothing but eos (must_stop): only
+    an accepting grammar allows eos, so only those rows are read."""
+    masks = _rows(out, len(guides), vocab_size)
+    if guides:
+        llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(g.matcher, i) for i, g in enumerate(guides)], masks)
+        _mark_must_stop(guides, masks)
     return masks
+
+
+def start_filling_masks(guides: list[Guide], vocab_size: int, out: np.ndarray | None = None,
+                        accepted: list[tuple[Guide, int]] = ()) -> Future[np.ndarray]:
+    """accept_tokens(accepted), then fill_masks, on a thread of their own; returned once
+    that thread has started: while llguidance computes it lets go of the GIL, and the
+    caller's thread goes on. No guide may be touched before the result is taken."""
+    started = threading.Event()
+
+    def fill() -> np.ndarray:
+        started.set()
+        accept_tokens(accepted)
+        return fill_masks(guides, vocab_size, out)
+    future = _mask_thread().submit(fill)
+    started.wait()  # (a new thread waits for the GIL: without this it would start when the caller next blocks)
+    return future
+
+
+def _rows(out: np.ndarray | None, n: int, vocab_size: int) -> np.ndarray:
+    shape = llguidance.numpy.get_bitmask_shape(n, vocab_size)
+    if out is None:
+        return np.empty(shape, np.int32)
+    if out.shape[1:] != shape[1:] or len(out) < n:
+        raise ValueError(f"a mask buffer of shape {out.shape} cannot hold {shape}")
+    return out[:n]
+
+
+def _mark_must_stop(guides: list[Guide], masks: np.ndarray) -> None:
+    no_eos = _without(tuple(guides[0].eos_token_ids), masks.shape[1])
+    for guide, row in zip(guides, masks):
+        guide.must_stop = guide.matcher.is_accepting() and not (row.view(np.uint32) & no_eos).any()
+
+
+@functools.cache
+def _mask_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="llamastream-masks")
 
 
 @functools.lru_cache(maxsize=4)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import pycuda.driver as cuda
@@ -33,6 +34,17 @@ from engine.weights import ModelWeights
 log = logging.getLogger("llamastream.engine")
 WORKSPACE_BYTES = 32 * 2**20
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
+
+
+@dataclass
+class StepSlot:
+    """What one step in flight owns on the host: page-locked memory for its sampled
+    tokens, and the event its sampling records. Each step in flight has its own, so
+    that a step's copy never lands on tokens not read yet, and waiting for a step waits
+    for it alone."""
+
+    tokens: np.ndarray  # int32 [max sampling rows]
+    done: cuda.Event
 
 
 class CudaBackend:
@@ -107,11 +119,9 @@ class CudaBackend:
         with self._context():
             self.cache = KvCache(c, num_blocks, block_size)
             # A step samples at most one token per sequence, and each holds a block. The
-            # device buffer stays put (graphs read it). Each step in flight has its own
-            # host buffer and end event, so that a step's copy never lands on tokens not
-            # read yet, and waiting for a step waits for it alone.
+            # device buffer stays put (graphs read it).
             self.sampled = gpuarray.empty(num_blocks, np.int32)
-            self._step_slots = [(cuda.pagelocked_empty(num_blocks, np.int32), cuda.Event())
+            self._step_slots = [StepSlot(cuda.pagelocked_empty(num_blocks, np.int32), cuda.Event())
                                 for _ in range(MAX_STEPS_IN_FLIGHT)]
             arrivals = gpuarray.zeros((SMALL_DECODE, c.num_kv_heads), np.int32)  # a row per token of a small decode step
             self.forward_pass = ForwardPass(c, self.weights, self.cache, self.linear, self.cos_sin, self.sampled,
@@ -124,6 +134,12 @@ class CudaBackend:
                 self.graphs = StepGraphs(self.forward_pass, Kernels(*self.kernel_build, programmatic=True),
                                          self._metadata, min(graph_max_batch, max_batch), max_context, self.query_rows,
                                          self.batch_invariant, prompt_buckets)
+
+    def host_array(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        """Page-locked: an upload from pageable memory may wait until the stream
+        reaches it, holding the host for the work queued before it."""
+        with self._context():
+            return cuda.pagelocked_empty(shape, dtype)
 
     def is_fatal(self, error: BaseException) -> bool:
         """A driver or cuBLAS error may leave the context unusable: stop serving."""
@@ -171,20 +187,20 @@ class CudaBackend:
         rows of sequences with a guide masked first) and the copy of the tokens."""
         sampling = [s.seq for s in batch if s.samples]
         self._step_slots.append(self._step_slots.pop(0))
-        tokens_host, done = self._step_slots[0]
+        slot = self._step_slots[0]
         with self._context():
             logits = self._forward(batch)
         self._previous_samples = {seq: i for i, seq in enumerate(sampling)}
 
         def sample(masks: np.ndarray | None) -> Wait:
             with self._context():
-                collect = (self.sampler.sample(logits, sampling, self.sampled, tokens_host, masks) if sampling
-                           else list)
-                done.record(self.stream)
+                collect = (self.sampler.sample(logits, sampling, self.sampled, slot.tokens, masks)
+                           if sampling else list)
+                slot.done.record(self.stream)
 
             def wait():
                 with self._context():
-                    done.synchronize()  # (without the GIL: the server's threads run meanwhile)
+                    slot.done.synchronize()  # (without the GIL: the server's threads run meanwhile)
                     outputs = iter(collect())
                 return [next(outputs) if s.samples else None for s in batch]
             return wait

@@ -24,7 +24,9 @@ class GpuSampler:
                tokens_host: np.ndarray, masks: np.ndarray | None = None) -> Callable[[], list[SampleOutput]]:
         """Queue sampling into `sampled` and the copy of the tokens to `tokens_host`;
         return what reads them once the stream has got that far. The rows of sequences
-        with a guide keep only the tokens their row of `masks` allows."""
+        with a guide keep only the tokens their row of `masks` allows (a row each, in
+        order; in page-locked memory, CudaBackend.host_array, their upload does not
+        wait for the stream)."""
         st, S = self.stream, len(seqs)
         raw = {}
         wants = [i for i, q in enumerate(seqs) if q.params.top_logprobs is not None]
@@ -33,10 +35,11 @@ class GpuSampler:
             st.synchronize()
             raw = {i: log_softmax(host[i].astype(np.float64)) for i in wants}
         guided = [i for i, q in enumerate(seqs) if q.guide is not None] if masks is not None else []
-        if guided:  # only those rows' masks travel: unguided rows cost nothing
-            self.kernels.apply_token_bitmask(st, logits, self._upload(masks[guided], np.int32),
-                                             self._upload(guided, np.int32), len(guided), masks.shape[1],
-                                             self.vocab_size)
+        if guided:  # only those rows have masks: unguided rows cost nothing
+            rows = gpuarray.empty(masks.shape, np.int32, allocator=self.allocate)
+            cuda.memcpy_htod_async(rows.gpudata, np.ascontiguousarray(masks, np.int32), st)
+            self.kernels.apply_token_bitmask(st, logits, rows, self._upload(guided, np.int32), len(guided),
+                                             masks.shape[1], self.vocab_size)
         self._apply_penalties(logits, seqs)
         p = [q.params for q in seqs]
         fields = self._upload(np.stack([  # one upload: the kernel's seven per-request arrays, row by row
