@@ -45,6 +45,8 @@ class EmulatedBackend:
     a token that depends only on the sequence's length."""
 
     name = "emulated"
+    weight_dtype = kv_cache_dtype = "float32"
+    weight_bytes = 0
 
     def __init__(self, step_ms: float, host_ms: float = 0.0, gil_releases: int = 0):
         self.step_s, self.host_s, self.gil_releases = step_ms / 1e3, host_ms / 1e3, gil_releases

@@ -58,7 +58,11 @@ class EngineInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     guides: GuideCompiler
-    prefix_caching: bool = True
+    prefix_caching: bool
+    weight_format: str  # the checkpoint's layers (LoadedModel.weight_format)
+    weight_dtype: str  # what the backend computes with them in
+    weight_bytes: int  # as the backend holds them
+    kv_cache_dtype: str
 
     def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Check a request against the model and the context; raise InvalidRequest if it
@@ -140,11 +144,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         backend.allocate_kv_cache(config.num_kv_blocks, config.block_size, config.max_num_seqs)
         max_model_len = self._context_length(model.config.max_position_embeddings)
-        self.info = EngineInfo(model.name, model.config, model.tokenizer, backend.name, max_model_len,
-                               config.num_kv_blocks, config.block_size, config.max_num_seqs,
-                               config.max_num_batched_tokens,
-                               GuideCompiler(model.tokenizer, model.config.vocab_size, config.max_grammar_bytes),
-                               config.enable_prefix_caching)
+        self.info = EngineInfo(
+            model_name=model.name, config=model.config, tokenizer=model.tokenizer, backend_name=backend.name,
+            max_model_len=max_model_len, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            guides=GuideCompiler(model.tokenizer, model.config.vocab_size, config.max_grammar_bytes),
+            prefix_caching=config.enable_prefix_caching, weight_format=model.weight_format,
+            weight_dtype=backend.weight_dtype, weight_bytes=backend.weight_bytes, kv_cache_dtype=backend.kv_cache_dtype)
         self._streams: dict[str, OutputStream] = {}
         # batches launched and not yet ended, oldest first, each with what waits for its samples
         self._in_flight: deque[InFlightStep] = deque()  # launched, not yet ended, oldest first

@@ -29,6 +29,14 @@ class LoadedModel:
     def architecture(self) -> Architecture:
         return architecture_of(self.config)
 
+    @property
+    def weight_format(self) -> str:
+        """The format of the layers' matrices as loaded: bfloat16, float32, fp8 or int4."""
+        names = {"f32": "float32", "bf16": "bfloat16"}
+        formats = {names.get(t.format, t.format) for n, t in self.weights.items()
+                   if n.startswith("model.layers.") and len(t.shape) == 2}
+        return " and ".join(sorted(formats))
+
     def model_weights(self) -> ModelWeights:
         """The weights as the architecture's layer reads them (fused where it fuses)."""
         return ModelWeights.gather(self.weights, self.config)

@@ -238,6 +238,8 @@ class Server:
         security = ("mutual TLS" if cfg.tls_client_ca else "TLS") if cfg.tls_cert else "plaintext"
         parts = [
             f"model {info.model_name} on {info.backend_name}",
+            f"{info.weight_format} weights computed in {info.weight_dtype} ({info.weight_bytes / 1e9:.2f} GB)",
+            f"{info.kv_cache_dtype} KV cache",
             f"max-num-seqs {info.max_num_seqs}",
             f"max-num-batched-tokens {info.max_num_batched_tokens}",
             f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens",

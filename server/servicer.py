@@ -68,6 +68,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             kv_cache_blocks=info.num_kv_blocks,
             block_size=info.block_size,
             prefix_caching=info.prefix_caching,
+            weight_format=info.weight_format,
+            weight_dtype=info.weight_dtype,
+            weight_bytes=info.weight_bytes,
+            kv_cache_dtype=info.kv_cache_dtype,
         )
 
     async def FlushCache(self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:

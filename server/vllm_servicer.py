@@ -217,7 +217,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             active_requests=self.engine.num_in_flight(), is_paused=False, last_receive_timestamp=self.last_receive,
             uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=1,
             block_size=info.block_size, max_num_seqs=info.max_num_seqs,
-            model_dtype="bfloat16" if info.backend_name == "cuda" else "float32")
+            model_dtype=info.weight_dtype)
 
     async def GetLoads(self, request: vpb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> vpb.GetLoadsResponse:
         info, stats = self.info, self.engine.stats()

@@ -22,6 +22,9 @@ MAX_STEPS_IN_FLIGHT = 2
 
 class Backend(Protocol):
     name: str  # "numpy" or "cuda"
+    weight_dtype: str  # what it computes with the weights in: "float32", "bfloat16"
+    weight_bytes: int  # the weights as it holds them
+    kv_cache_dtype: str
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of K and V one block of `block_size` tokens takes, every layer's: to size the cache."""

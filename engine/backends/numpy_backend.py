@@ -130,6 +130,7 @@ class _StepOps:
 
 class NumpyBackend:
     name = "numpy"
+    weight_dtype = kv_cache_dtype = "float32"  # (every format dequantized: the exact reference)
 
     def __init__(self, config: ModelConfig, weights: ModelWeights):
         self.config = config
@@ -138,6 +139,8 @@ class NumpyBackend:
         self.lm_head = weights.lm_head.float32()
         self.final_norm = weights.final_norm.float32()
         self.layers = [{name: t.float32() for name, t in layer.items()} for layer in weights.layers]
+        held = [self.embed, self.lm_head, self.final_norm] + [a for layer in self.layers for a in layer.values()]
+        self.weight_bytes = sum({id(a): a.nbytes for a in held}.values())  # (a tied head is the embedding)
         self.inv_freq = config.rope_inv_freq()
         self.block_size = 0
         self.k_cache: list[np.ndarray] = []

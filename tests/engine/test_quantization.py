@@ -1,7 +1,9 @@
 """Quantized checkpoints (engine/quantization): FP8 e4m3 against ml_dtypes' float8
 (the reference implementation JAX uses), each INT4 layout unpacked against a plain
-per-element reading of its documented packing, a tiny model written in each format
-and served by the numpy backend, and the errors for formats llamastream does not serve."""
+per-element reading of its documented packing, checkpoints written and read back by the
+compressed-tensors library itself (tests/golden/make_quantized_fixtures.py), a tiny
+model written in each format and served by the numpy backend, and the errors for
+formats llamastream does not serve."""
 
 from __future__ import annotations
 
@@ -187,6 +189,38 @@ def test_quantizing_at_load_to_fp8_keeps_the_head_and_serves():
     engine = LLMEngine(model, create_backend("cpu", model.config, model.model_weights()), EngineConfig(num_kv_blocks=64))
     outs = run(engine, [engine.make_sequence("q", [1, 5, 9], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))])
     assert len(tokens(outs["q"])) == 4
+
+
+COMPRESSED_TENSORS = ["w4a16-asym", "w4a16-sym", "fp8-channel", "fp8-tensor"]
+
+
+def every_position_logits(model, ids: list[int]) -> np.ndarray:
+    """The numpy backend's logits at every position of one prompt."""
+    from engine.scheduler import ScheduledSeq
+
+    engine = LLMEngine(model, create_backend("cpu", model.config, model.model_weights()), EngineConfig(num_kv_blocks=64))
+    seq = engine.make_sequence("p", ids, SamplingParams(max_tokens=1))
+    engine.block_manager.allocate(seq, len(ids))
+    return engine.backend.forward([ScheduledSeq(seq, 0, len(ids))], every_token=True)
+
+
+@pytest.mark.parametrize("scheme", COMPRESSED_TENSORS)
+def test_compressed_tensors_checkpoints_read_as_the_library_decompresses_them(scheme):
+    """compressed-tensors wrote these checkpoints (asymmetric INT4 groups with packed
+    zero points, symmetric INT4, FP8 per row and per tensor) and decompressed them in
+    transformers: our weights are its weights, and our logits its model's."""
+    golden = np.load(TINY_MODEL.parent / "tiny_llama_quantized_golden.npz")
+    model = load_model(TINY_MODEL.parent / f"tiny-llama-{scheme}")
+    assert model.weight_format == scheme.split("-")[0].replace("w4a16", "int4")
+    names = [k.split("/", 1)[1] for k in golden.files if k.startswith(f"{scheme}/model.")]
+    assert len(names) == 14
+    for name in names:
+        ours = model.weights[name]
+        assert isinstance(ours, Int4Weight if scheme.startswith("w4") else Fp8Weight), name
+        np.testing.assert_allclose(ours.float32(), golden[f"{scheme}/{name}"], rtol=1e-6, atol=1e-7, err_msg=name)
+    for i in range(3):
+        logits = every_position_logits(model, golden[f"ids{i}"].tolist())
+        assert np.abs(logits - golden[f"{scheme}/logits{i}"]).max() < 1e-4
 
 
 def perplexity(model, text: str) -> float:

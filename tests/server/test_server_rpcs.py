@@ -8,10 +8,12 @@ import time
 
 import grpc
 import pytest
+from safetensors.numpy import load_file
 
 from engine.sampling_params import MAX_STOP_STRINGS
 from server.protocol import MAX_REQUEST_ID_CHARS
 from llamastream.v1 import generation_pb2 as pb
+from tests.conftest import TINY_MODEL
 from tests.serving import check_stream_shape, collect, local_server, stub
 
 GREEDY = pb.SamplingParams(temperature=0.0)
@@ -121,6 +123,9 @@ def test_tokenize_and_model_info(client, server):
     assert (info.model, info.max_context_length, info.vocab_size, info.backend) == ("tiny-llama", CONTEXT, 512, "numpy")
     assert list(info.eos_token_ids) == tok.eos_token_ids and info.has_chat_template
     assert (info.kv_cache_blocks, info.block_size) == (160, 16)
+    parameters = sum(t.size for t in load_file(str(TINY_MODEL / "model.safetensors")).values())
+    assert (info.weight_format, info.weight_dtype, info.weight_bytes, info.kv_cache_dtype) == \
+        ("float32", "float32", 4 * parameters, "float32")
 
 
 def _req(**fields) -> pb.GenerateRequest:

@@ -49,6 +49,7 @@ class StepSlot:
 
 class CudaBackend:
     name = "cuda"
+    weight_dtype = kv_cache_dtype = "bfloat16"  # (quantized formats uploaded dequantized, for now)
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: int = 0, cuda_graphs: bool = True,
                  graph_max_batch: int = 256, graph_max_context: int = 4096, prompt_graphs: bool = True,
@@ -75,6 +76,7 @@ class CudaBackend:
             self.blas = Cublas(self.stream.handle, int(self.workspace), WORKSPACE_BYTES)
             self.linear = Linear(self.blas, self.stream)
             self.weights = DeviceWeights.upload(weights)
+            self.weight_bytes = self.weights.nbytes
             # cos and sin of every RoPE angle the model meets (vLLM's cos_sin_cache): a
             # position's row is read by every layer, with nothing to compute
             self.cos_sin = gpuarray.empty((config.max_position_embeddings, config.head_dim // 2, 2), np.float32)
