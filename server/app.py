@@ -61,6 +61,7 @@ class ServerConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0  # numpy backend
+    kv_cache_dtype: str = "auto"  # the backend's own, or fp8 (e4m3)
     gpu_memory_utilization: float = 0.9  # cuda backend
     enforce_eager: bool = False  # cuda backend: no CUDA graphs
     batch_invariant: bool = False  # cuda backend: a token's result independent of its batch
@@ -111,7 +112,7 @@ def build_engine(cfg: ServerConfig) -> LLMEngine:
     where the engine will run: in its process, or in the server's)."""
     model = load_model(cfg.model, LoadingProgress(), cfg.quantization)
     backend = create_backend(cfg.device, model.config, model.model_weights(), cuda_graphs=not cfg.enforce_eager,
-                             batch_invariant=cfg.batch_invariant)
+                             batch_invariant=cfg.batch_invariant, kv_cache_dtype=cfg.kv_cache_dtype)
     engine = LLMEngine(model, backend, EngineConfig(
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks or _kv_cache_blocks(cfg, backend),

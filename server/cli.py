@@ -8,6 +8,7 @@ import sys
 
 
 from engine.backends import DEFAULT_TOKEN_BUDGETS
+from engine.backends.base import KV_CACHE_DTYPES
 from server import package_version
 from server.app import MIN_MESSAGE_BYTES, ServerConfig
 from server.log_format import LOG_FORMATS, configure_logging
@@ -51,6 +52,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=POSITIVE, help="KV-cache blocks (default: as many as --kv-cache-memory-gb holds)")
     p.add_argument("--kv-cache-memory-gb", type=_number(float, 0, low_open=True), default=d.kv_cache_memory_gb,
                    help="memory for the KV cache on the CPU")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="what K and V are stored in: auto (float32 on the CPU, bfloat16 on the GPU) or fp8 (e4m3, "
+                        "a quarter of float32's bytes; on the CPU backend for now)")
     p.add_argument("--gpu-memory-utilization", type=_number(float, 0, 1, low_open=True), default=d.gpu_memory_utilization,
                    help="fraction of the GPU's memory the server may use; the KV cache takes what the weights leave")
     p.add_argument("--enforce-eager", action="store_true",

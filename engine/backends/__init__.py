@@ -38,7 +38,7 @@ def cuda_unavailable_reason() -> str | None:
 
 
 def create_backend(device: str, config: ModelConfig, weights: ModelWeights, cuda_graphs: bool = True,
-                   batch_invariant: bool = False) -> Backend:
+                   batch_invariant: bool = False, kv_cache_dtype: str = "auto") -> Backend:
     """The backend for --device auto|cpu|cuda; auto takes cuda when it can run. The
     numpy backend is batch-invariant whatever `batch_invariant` says."""
     if device not in ("auto", "cpu", "cuda"):
@@ -49,10 +49,13 @@ def create_backend(device: str, config: ModelConfig, weights: ModelWeights, cuda
             from engine.backends.cuda.backend import CudaBackend
 
             log.info("device %s: using the CUDA backend", device)
+            if kv_cache_dtype != "auto":
+                raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is served by the CPU backend only for now (the "
+                                 "CUDA attention kernels read bfloat16 K/V): leave it out, or use --device cpu")
             return CudaBackend(config, weights, cuda_graphs=cuda_graphs, batch_invariant=batch_invariant)
         if device == "cuda":
             raise RuntimeError(f"--device cuda, but {reason}; use --device cpu or auto")
         log.info("device auto: using the numpy backend on the CPU (%s)", reason)
     from engine.backends.numpy_backend import NumpyBackend
 
-    return NumpyBackend(config, weights)
+    return NumpyBackend(config, weights, kv_cache_dtype)

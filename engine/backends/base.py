@@ -18,6 +18,8 @@ SampleLater = Callable[[np.ndarray | None], Wait]
 # A step is launched while the one before it still runs, and ended (its tokens read
 # back) before a third is launched: a backend keeps this many steps' buffers.
 MAX_STEPS_IN_FLIGHT = 2
+# --kv-cache-dtype: the backend's own (auto: float32 on numpy, bfloat16 on CUDA) or FP8 e4m3
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 class Backend(Protocol):

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.backends.base import SampleLater, Wait
+from engine.backends.base import KV_CACHE_DTYPES, SampleLater, Wait
 from engine.config import ModelConfig
 from engine.models import architecture_of
+from engine.quantization.fp8 import e4m3_to_f32, f32_to_e4m3
 from engine.sampler import SampleOutput, sample
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -52,14 +53,19 @@ def paged_attention(
     q: [n, heads, head_dim]; k_cache, v_cache: [slots, kv_heads, head_dim];
     slots: the cache slots of positions 0 .. start + n - 1. Returns [n, heads * head_dim].
     """
+    return causal_attention(q, k_cache[slots], v_cache[slots], start, scale)
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float) -> np.ndarray:
+    """paged_attention over a sequence's K and V, [ctx, kv_heads, head_dim] each."""
     n, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads = k.shape[1]
     group = heads // kv_heads
-    k = k_cache[slots].transpose(1, 2, 0)  # [kv_heads, dim, ctx]
-    v = v_cache[slots].transpose(1, 0, 2)  # [kv_heads, ctx, dim]
+    k = k.transpose(1, 2, 0)  # [kv_heads, dim, ctx]
+    v = v.transpose(1, 0, 2)  # [kv_heads, ctx, dim]
     qg = q.reshape(n, kv_heads, group, dim).transpose(1, 2, 0, 3)  # [kv_heads, group, n, dim]
     scores = (qg @ k[:, None]) * scale  # [kv_heads, group, n, ctx]
-    ctx = len(slots)
+    ctx = k.shape[-1]
     visible = np.arange(ctx)[None, :] <= (start + np.arange(n))[:, None]
     scores = np.where(visible, scores, -np.inf)
     scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
@@ -109,16 +115,18 @@ class _StepOps:
         c = self.config
         q = apply_rope(qkv[:, : self.q_end].reshape(-1, c.num_heads, c.head_dim), self.cos, self.sin)
         k = apply_rope(qkv[:, self.q_end : self.k_end].reshape(-1, c.num_kv_heads, c.head_dim), self.cos, self.sin)
-        self.k_cache[self.new_slots] = k
-        self.v_cache[self.new_slots] = qkv[:, self.k_end :].reshape(-1, c.num_kv_heads, c.head_dim)
+        self.k_cache[self.new_slots] = self.backend.kv_store(k)
+        self.v_cache[self.new_slots] = self.backend.kv_store(qkv[:, self.k_end :].reshape(-1, c.num_kv_heads, c.head_dim))
         return np.concatenate([q.reshape(len(qkv), -1), k.reshape(len(qkv), -1), qkv[:, self.k_end :]], axis=1)
 
     def attention(self, qkv: np.ndarray) -> np.ndarray:
         c, b = self.config, self.bounds
         q = qkv[:, : self.q_end].reshape(-1, c.num_heads, c.head_dim)
+        load = self.backend.kv_load
         return np.concatenate([
-            paged_attention(q[b[i] : b[i + 1]], self.k_cache, self.v_cache, self.seq_slots[i], s.start, c.head_dim ** -0.5)
-            for i, s in enumerate(self.batch)
+            causal_attention(q[b[i] : b[i + 1]], load(self.k_cache[slots]), load(self.v_cache[slots]), s.start,
+                             c.head_dim ** -0.5)
+            for i, (s, slots) in enumerate(zip(self.batch, self.seq_slots))
         ])
 
     def silu_and_mul(self, gate_up: np.ndarray) -> np.ndarray:
@@ -130,9 +138,15 @@ class _StepOps:
 
 class NumpyBackend:
     name = "numpy"
-    weight_dtype = kv_cache_dtype = "float32"  # (every format dequantized: the exact reference)
+    weight_dtype = "float32"  # (every format dequantized: the exact reference)
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, kv_cache_dtype: str = "auto"):
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+        # K and V as computed (float32), or as e4m3 bit patterns with a scale of 1 (vLLM's
+        # fp8 without calibrated scales): a quarter of the bytes, the values rounded to
+        # 3 mantissa bits and saturating at 448
+        self.kv_cache_dtype = "fp8_e4m3" if kv_cache_dtype == "fp8" else "float32"
         self.config = config
         self.architecture = architecture_of(config)
         self.embed = weights.embed.float32()
@@ -149,14 +163,25 @@ class NumpyBackend:
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.config
-        return 2 * c.num_layers * block_size * c.kv_size * 4
+        return 2 * c.num_layers * block_size * c.kv_size * self._kv_type().itemsize
+
+    def _kv_type(self) -> np.dtype:
+        return np.dtype(np.uint8 if self.kv_cache_dtype == "fp8_e4m3" else np.float32)
+
+    def kv_store(self, x: np.ndarray) -> np.ndarray:
+        """K or V as the cache holds them."""
+        return f32_to_e4m3(x) if self.kv_cache_dtype == "fp8_e4m3" else x
+
+    def kv_load(self, stored: np.ndarray) -> np.ndarray:
+        """K or V from the cache, in float32."""
+        return e4m3_to_f32(stored) if self.kv_cache_dtype == "fp8_e4m3" else stored
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
         c = self.config
         shape = (num_blocks * block_size, c.num_kv_heads, c.head_dim)
         self.block_size = block_size
-        self.k_cache = [np.zeros(shape, np.float32) for _ in range(c.num_layers)]
-        self.v_cache = [np.zeros(shape, np.float32) for _ in range(c.num_layers)]
+        self.k_cache = [np.zeros(shape, self._kv_type()) for _ in range(c.num_layers)]
+        self.v_cache = [np.zeros(shape, self._kv_type()) for _ in range(c.num_layers)]
 
     def _slots(self, block_table: np.ndarray, length: int) -> np.ndarray:
         blocks = np.asarray(block_table, dtype=np.int64)

@@ -122,6 +122,11 @@ def quantize_int4(w: np.ndarray, group: int) -> Int4Weight:
     return Int4Weight(q, scale, zero, (np.arange(columns) // group).astype(np.int32))
 
 
+def cpu_engine(model, kv_cache_dtype: str = "auto") -> LLMEngine:
+    return LLMEngine(model, create_backend("cpu", model.config, model.model_weights(), kv_cache_dtype=kv_cache_dtype),
+                     EngineConfig(num_kv_blocks=64))
+
+
 def write_awq(source, out_dir, group: int = 16):
     """The tiny model's checkpoint with every layer linear in AutoAWQ's GEMM layout."""
     shutil.copytree(source, out_dir)
@@ -154,8 +159,7 @@ def test_an_awq_checkpoint_loads_and_serves_close_to_its_source(tmp_path):
     error = np.abs(w.float32() - source.weights["model.layers.0.mlp.down_proj.weight"].float32()).max()
     assert error < 0.5 * w.scale.max() + 1e-6  # within half a quantization step
     prompt = [1, 5, 9, 42, 7, 300, 12]
-    engine = LLMEngine(quantized, create_backend("cpu", quantized.config, quantized.model_weights()),
-                       EngineConfig(num_kv_blocks=64))
+    engine = cpu_engine(quantized)
     outs = run(engine, [engine.make_sequence("q", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))])
     assert len(tokens(outs["q"])) == 8
 
@@ -186,7 +190,7 @@ def test_quantizing_at_load_to_fp8_keeps_the_head_and_serves():
     layers = [t for n, t in model.weights.items() if n.startswith("model.layers.") and len(t.shape) == 2]
     assert layers and all(isinstance(t, Fp8Weight) for t in layers)
     assert not isinstance(model.weights["model.embed_tokens.weight"], Fp8Weight)
-    engine = LLMEngine(model, create_backend("cpu", model.config, model.model_weights()), EngineConfig(num_kv_blocks=64))
+    engine = cpu_engine(model)
     outs = run(engine, [engine.make_sequence("q", [1, 5, 9], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))])
     assert len(tokens(outs["q"])) == 4
 
@@ -194,14 +198,16 @@ def test_quantizing_at_load_to_fp8_keeps_the_head_and_serves():
 COMPRESSED_TENSORS = ["w4a16-asym", "w4a16-sym", "fp8-channel", "fp8-tensor"]
 
 
-def every_position_logits(model, ids: list[int]) -> np.ndarray:
-    """The numpy backend's logits at every position of one prompt."""
+def prompt_logits(engine: LLMEngine, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The backend's logits at every position of one prompt, and the cache slots it wrote."""
     from engine.scheduler import ScheduledSeq
 
-    engine = LLMEngine(model, create_backend("cpu", model.config, model.model_weights()), EngineConfig(num_kv_blocks=64))
     seq = engine.make_sequence("p", ids, SamplingParams(max_tokens=1))
     engine.block_manager.allocate(seq, len(ids))
-    return engine.backend.forward([ScheduledSeq(seq, 0, len(ids))], every_token=True)
+    logits = engine.backend.forward([ScheduledSeq(seq, 0, len(ids))], every_token=True)
+    slots = np.array([engine.block_manager.slot(seq, i) for i in range(len(ids))])
+    engine.block_manager.free(seq, keep_cached=False)
+    return logits, slots
 
 
 @pytest.mark.parametrize("scheme", COMPRESSED_TENSORS)
@@ -219,26 +225,21 @@ def test_compressed_tensors_checkpoints_read_as_the_library_decompresses_them(sc
         assert isinstance(ours, Int4Weight if scheme.startswith("w4") else Fp8Weight), name
         np.testing.assert_allclose(ours.float32(), golden[f"{scheme}/{name}"], rtol=1e-6, atol=1e-7, err_msg=name)
     for i in range(3):
-        logits = every_position_logits(model, golden[f"ids{i}"].tolist())
+        logits, _ = prompt_logits(cpu_engine(model), golden[f"ids{i}"].tolist())
         assert np.abs(logits - golden[f"{scheme}/logits{i}"]).max() < 1e-4
 
 
-def perplexity(model, text: str) -> float:
+def perplexity(engine: LLMEngine, text: str) -> float:
     """exp of the mean negative log-likelihood of each token of `text` given those before."""
-    from engine.scheduler import ScheduledSeq
     from engine.sampler import log_softmax
 
-    engine = LLMEngine(model, create_backend("cpu", model.config, model.model_weights()), EngineConfig(num_kv_blocks=64))
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
-    seq = engine.make_sequence("ppl", ids, SamplingParams(max_tokens=1))
-    engine.block_manager.allocate(seq, len(ids))
-    logits = engine.backend.forward([ScheduledSeq(seq, 0, len(ids))], every_token=True)
+    logits, _ = prompt_logits(engine, ids)
     nll = [-log_softmax(logits[i].astype(np.float64))[ids[i + 1]] for i in range(len(ids) - 1)]
     return float(np.exp(np.mean(nll)))
 
 
-def answer(model) -> str:
-    engine = LLMEngine(model, create_backend("cpu", model.config, model.model_weights()), EngineConfig(num_kv_blocks=64))
+def answer(engine: LLMEngine) -> str:
     t = engine.tokenizer
     prompt = t.encode(t.render_chat([{"role": "user", "content": "What is the capital of France?"}]))
     outs = run(engine, [engine.make_sequence("a", prompt, SamplingParams(temperature=0.0, max_tokens=12))])
@@ -247,17 +248,38 @@ def answer(model) -> str:
 
 def test_smollm2_quantized_still_answers_paris_and_its_perplexity_is_reported(tmp_path):
     """Real weights: the embedded SmolLM2 as shipped (its Q4_1 GGUF, dequantized), in
-    FP8 (quantized at load) and in INT4 (written as an AWQ checkpoint, groups of 64)."""
+    FP8 (quantized at load), in INT4 (written as an AWQ checkpoint, groups of 64), and
+    as shipped with an FP8 KV cache."""
     from engine.model_loader import convert_gguf, embedded_model_path
 
     text = (TINY_MODEL.parent / "perplexity.txt").read_text()
     hf_dir = convert_gguf(embedded_model_path(), tmp_path / "smollm2")
     write_awq(hf_dir, tmp_path / "smollm2-awq", group=64)
-    models = {"as shipped": load_model(hf_dir), "fp8": load_model(hf_dir, quantization="fp8"),
-              "int4 (awq)": load_model(tmp_path / "smollm2-awq")}
-    figures = {name: perplexity(model, text) for name, model in models.items()}
+    shipped = load_model(hf_dir)
+    engines = {"as shipped": cpu_engine(shipped), "fp8": cpu_engine(load_model(hf_dir, quantization="fp8")),
+               "int4 (awq)": cpu_engine(load_model(tmp_path / "smollm2-awq")),
+               "fp8 KV cache": cpu_engine(shipped, kv_cache_dtype="fp8")}
+    figures = {name: perplexity(engine, text) for name, engine in engines.items()}
     print("\nSmolLM2-135M perplexity on tests/fixtures/perplexity.txt: "
           + ", ".join(f"{name} {ppl:.2f}" for name, ppl in figures.items()))
-    for name, model in models.items():
-        assert "Paris" in answer(model), name
+    for name, engine in engines.items():
+        assert "Paris" in answer(engine), name
     assert figures["fp8"] < 1.05 * figures["as shipped"] and figures["int4 (awq)"] < 1.3 * figures["as shipped"]
+    assert figures["fp8 KV cache"] < 1.05 * figures["as shipped"]
+
+def test_an_fp8_kv_cache_holds_e4m3_of_what_float32_holds_and_serves_close_to_it():
+    """--kv-cache-dtype fp8 on the numpy backend (the reference for the GPU's kernels):
+    the first layer's cached K and V are exactly the e4m3 rounding of the float32
+    cache's, a block takes a quarter of the bytes, and the logits stay close."""
+    model = load_model(TINY_MODEL)
+    engines = {dtype: cpu_engine(model, dtype) for dtype in ("auto", "fp8")}
+    f32, fp8 = engines["auto"].backend, engines["fp8"].backend
+    assert fp8.kv_cache_dtype == "fp8_e4m3" and engines["fp8"].info.kv_cache_dtype == "fp8_e4m3"
+    assert fp8.kv_cache_bytes_per_block(16) * 4 == f32.kv_cache_bytes_per_block(16)
+    ids = [0, 17, 93, 250, 4, 11] + list(range(100, 140))
+    (exact, slots), (rounded, fp8_slots) = prompt_logits(engines["auto"], ids), prompt_logits(engines["fp8"], ids)
+    for f32_cache, fp8_cache in ((f32.k_cache, fp8.k_cache), (f32.v_cache, fp8.v_cache)):
+        stored = fp8_cache[0][fp8_slots]
+        assert stored.dtype == np.uint8 and np.array_equal(stored, f32_to_e4m3(f32_cache[0][slots]))
+    error = np.linalg.norm(rounded - exact) / np.linalg.norm(exact)
+    assert error < 0.06  # (measured 4.2e-2: e4m3 keeps 3 mantissa bits; real weights: the SmolLM2 test above)

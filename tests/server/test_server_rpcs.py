@@ -202,3 +202,20 @@ def test_tokenize_rejects_bad_chat(client):
 
 def test_too_many_stop_strings_limit_is_documented():
     assert MAX_STOP_STRINGS < 3000
+
+
+def test_an_fp8_kv_cache_holds_four_times_the_tokens_and_says_so():
+    servers = {dtype: local_server(num_kv_blocks=None, kv_cache_memory_gb=0.01, kv_cache_dtype=dtype)
+               for dtype in ("auto", "fp8")}
+    try:
+        blocks = {dtype: server.engine.info.num_kv_blocks for dtype, server in servers.items()}
+        assert 4 * blocks["auto"] <= blocks["fp8"] < 4 * (blocks["auto"] + 1)  # (each rounded down)
+        client = stub(f"127.0.0.1:{servers['fp8'].port}")
+        assert client.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).kv_cache_dtype == "fp8_e4m3"
+        msgs, _ = collect(client.Generate(pb.GenerateRequest(prompt="hello", stop=pb.StopCriteria(max_tokens=4,
+                                                                                                 ignore_eos=True)),
+                                          timeout=30))
+        assert msgs[-1].finished.usage.completion_tokens == 4
+    finally:
+        for server in servers.values():
+            server.drain()
