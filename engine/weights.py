@@ -75,9 +75,13 @@ class Tensor:
     @staticmethod
     def stack(parts: list["Tensor"]) -> "Tensor":
         """The parts concatenated along their first dimension, in the format they share
-        (float32 if they differ, or are quantized: engine/quantization)."""
+        (float32 if they differ, or are quantized in a format that cannot: engine/quantization)."""
         if all(isinstance(p, Tensor) for p in parts) and len({p.format for p in parts}) == 1:
             return Tensor(np.concatenate([p.data for p in parts]), parts[0].format)
+        if len({type(p) for p in parts}) == 1 and not isinstance(parts[0], Tensor):
+            fused = type(parts[0]).concatenate(parts)
+            if fused is not None:
+                return fused
         return Tensor.of(np.concatenate([p.float32() for p in parts]))
 
 
@@ -155,9 +159,12 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf_weights(reader, config: ModelConfig, progress: Progress | None = None) -> Weights:
+    """The tensors of a GGUF file: Q4_0, Q4_1 and Q8_0 matrices as stored (GgufWeight),
+    every other type dequantized to float32."""
     from gguf import dequantize
 
     from engine.models import architecture_of
+    from engine.quantization.gguf import KEPT, GgufWeight
 
     arch = architecture_of(config)
     weights: Weights = {}
@@ -165,12 +172,16 @@ def load_gguf_weights(reader, config: ModelConfig, progress: Progress | None = N
         name = arch.hf_name_of_gguf(tensor.name)
         if name is None:  # e.g. rope_freqs: recomputed from the config
             continue
-        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        w = w.reshape([int(d) for d in reversed(tensor.shape)])
+        shape = [int(d) for d in reversed(tensor.shape)]
+        kept = tensor.tensor_type in KEPT and len(shape) == 2
+        if kept:  # a row of blocks per row of weights
+            w = np.asarray(tensor.data).reshape(shape[0], -1)
+        else:
+            w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
         heads = next((getattr(config, h) for n, h in arch.permuted_for_gguf_rope.items() if name.endswith(n)), None)
         if heads:
-            w = unpermute_qk(w, heads)
-        weights[name] = Tensor.of(w)
+            w = unpermute_qk(w, heads)  # (whole rows: a row of blocks moves as its row of values does)
+        weights[name] = GgufWeight(np.ascontiguousarray(w), tensor.tensor_type, shape[1]) if kept else Tensor.of(w)
         if progress:
             progress(i + 1, len(reader.tensors))
     return weights

@@ -6,7 +6,8 @@ tensor in a canonical layout, under the weight's plain name:
   (compressed-tensors' float-quantized format, Hugging Face's `fp8`), and quantizing a
   bfloat16 checkpoint to FP8 at load;
 - int4.py: INT4 weight-only, with group scales and zero points (AutoAWQ's GEMM layout,
-  GPTQ's with act-order, compressed-tensors' pack-quantized).
+  GPTQ's with act-order, compressed-tensors' pack-quantized);
+- gguf.py: GGUF's Q4_0, Q4_1 and Q8_0 blocks, as the file stores them.
 
 A quantized tensor dequantizes to float32 (the numpy backend: the exact reference) or
 to bfloat16 (the CUDA backend, until kernels of its own read the format).

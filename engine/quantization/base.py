@@ -25,3 +25,9 @@ class QuantizedWeight:
 
     def bf16_bits(self) -> np.ndarray:
         return f32_to_bf16_bits(self.float32())
+
+    @staticmethod
+    def concatenate(parts: list) -> "QuantizedWeight | None":
+        """The parts' rows as one weight of this format (a fused projection), or None
+        where the format cannot: they are then fused dequantized."""
+        return None

@@ -108,3 +108,30 @@ def test_unsupported_models_are_refused_naming_the_supported_ones(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModel, match=r"model_type 'gpt2'.*serves llama \(LlamaForCausalLM\), qwen3 \(Qwen3ForCausalLM\)"):
         load_model(tmp_path / "m")
+
+
+def test_gguf_block_weights_stay_as_stored_and_dequantize_as_the_gguf_package_does():
+    """The embedded model's Q4_1 and Q8_0 matrices are kept as their blocks (the model
+    says q4_1 and q8_0), and read back, rows unpermuted and projections fused, as the
+    gguf package dequantizes the file."""
+    from gguf import GGUFReader, dequantize
+
+    from engine.quantization.gguf import GgufWeight
+    from engine.weights import unpermute_qk
+
+    model = load_model(embedded_model_path())
+    assert model.weight_format == "q4_1"
+    tensors = {t.name: t for t in GGUFReader(str(embedded_model_path())).tensors}
+    for gguf_name, name, heads in [("token_embd.weight", "model.embed_tokens.weight", None),
+                                   ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight", None),
+                                   ("blk.3.attn_q.weight", "model.layers.3.self_attn.q_proj.weight", model.config.num_heads)]:
+        t = tensors[gguf_name]
+        expected = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape([int(d) for d in reversed(t.shape)])
+        if heads:
+            expected = unpermute_qk(expected, heads)
+        ours = model.weights[name]
+        assert isinstance(ours, GgufWeight) and ours.nbytes == t.n_bytes
+        assert np.array_equal(ours.float32(), expected), name
+    qkv = model.model_weights().layers[3]["qkv"]
+    assert isinstance(qkv, GgufWeight) and qkv.shape == (model.config.q_size + 2 * model.config.kv_size,
+                                                         model.config.hidden_size)
