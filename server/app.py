@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -84,6 +84,7 @@ class ServerConfig:
     log_prompts: bool = False
     metrics_port: int | None = None  # Prometheus /metrics over HTTP (0: any free port)
     vllm_metric_names: bool = False  # also the gauges gateways read, under vLLM's names
+    metrics_labels: list[tuple[str, str]] = field(default_factory=list)  # (name, value) every metric carries
 
 
 class LoadingProgress:
@@ -161,7 +162,7 @@ class Server:
         self.engine: EngineClient | None = None
         self.requests: Requests | None = None
         self.exit_code = 0  # 1 once the engine has failed
-        self.observer = Observer(cfg.vllm_metric_names)
+        self.observer = Observer(cfg.vllm_metric_names, dict(cfg.metrics_labels))
         if cfg.metrics_port is not None:
             self.metrics_port = self.observer.serve_http(
                 cfg.host, cfg.metrics_port, live=lambda: self.exit_code == 0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
 
@@ -90,12 +91,23 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-prompts", action="store_true", help="log each request's prompt (never logged otherwise)")
     p.add_argument("--metrics-port", type=PORT,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics, and /healthz and /readyz")
+    p.add_argument("--metrics-label", dest="metrics_labels", action="append", type=_label, default=[],
+                   metavar="NAME=VALUE", help="a label every metric carries (repeatable): `gateway --gpus` gives each "
+                                              "replica gpu=ITS_GPU")
     p.add_argument("--vllm-metric-names", action="store_true",
                    help="also give the gauges gateways read under vLLM's names (vllm:num_requests_running, "
                         "vllm:num_requests_waiting, vllm:kv_cache_usage_perc), for the Gateway API Inference Extension")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="text (one line a record, control characters escaped) or json (one object a line)")
+
+
+def _label(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name) or name.startswith("__"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE with a Prometheus label name (letters, digits "
+                                         "and _, not starting with a digit or __)")
+    return name, value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Start --replicas servers on consecutive ports from --grpc-port and the "
                                          "Shepherd Model Gateway (smg) in front of them on --port; restart a replica "
                                          "that exits. Options after -- go to every `serve`.")
-    gateway.add_argument("--replicas", type=POSITIVE, default=2, help="servers to start (default 2)")
+    gateway.add_argument("--replicas", type=POSITIVE, help="servers to start (default 2, or one per GPU of --gpus)")
+    gateway.add_argument("--gpus", help="all, or GPU indices (0,1,...): one replica per GPU, each seeing only its own "
+                                        "(CUDA_VISIBLE_DEVICES) and labelling its metrics gpu=INDEX")
+    gateway.add_argument("--replica-metrics-port", type=PORT,
+                         help="replica i serves its Prometheus metrics on this port + i (default: none)")
     gateway.add_argument("--host", default="0.0.0.0", help="address of the OpenAI endpoint (default 0.0.0.0)")
     gateway.add_argument("--port", type=PORT, default=8000, help="port of the OpenAI endpoint (default 8000)")
     gateway.add_argument("--grpc-port", type=PORT, default=50051, help="the first replica's port (default 50051)")
@@ -139,12 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "gateway":
-        from server.gateway import ReplicaSet, model_directory
+        from server.gateway import ReplicaSet, model_directory, replica_gpus
 
         try:
             serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
-            return ReplicaSet(args.replicas, args.grpc_port, args.host, args.port, model_directory(args.model),
-                              serve_args, args.policy, args.gateway_metrics_port).run()
+            gpus = replica_gpus(args.gpus, args.replicas)
+            return ReplicaSet(len(gpus) if gpus else args.replicas or 2, args.grpc_port, args.host, args.port,
+                              model_directory(args.model), serve_args, args.policy, args.gateway_metrics_port, gpus,
+                              args.replica_metrics_port).run()
         except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
             logging.getLogger("llamastream").error("gateway: %s", e)
             return 1

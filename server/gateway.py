@@ -1,12 +1,14 @@
 """`llamastream gateway`: N replicas of `llamastream serve` on consecutive ports of this
 machine and the Shepherd Model Gateway (`smg launch`, the `gateway` extra) in front of
-them, serving the OpenAI API. A replica that exits is started again on its port, and
-the gateway's health checks take it back; SIGTERM drains every replica, then stops the
-gateway."""
+them, serving the OpenAI API. With --gpus, one replica per GPU, each seeing only its
+own (its KV cache sized from that GPU's memory). A replica that exits is started again
+on its port (and GPU), and the gateway's health checks take it back; SIGTERM drains
+every replica, then stops the gateway."""
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -29,11 +31,48 @@ class Replica:
     index: int
     port: int
     args: list[str]
+    gpu: str | None = None  # the one GPU it sees, or all of the machine's
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--port", str(self.port), *self.args])
-        log.info("replica %d started on port %d (pid %d)", self.index, self.port, self.proc.pid)
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": self.gpu} if self.gpu is not None else {}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--port", str(self.port), *self.args],
+                                     env=env)
+        log.info("replica %d started on port %d%s (pid %d)", self.index, self.port,
+                 "" if self.gpu is None else f", GPU {self.gpu}", self.proc.pid)
+
+
+def replica_gpus(spec: str | None, replicas: int | None) -> list[str] | None:
+    """The GPUs of --gpus, one replica each: `all` (those CUDA_VISIBLE_DEVICES lists,
+    else every GPU nvidia-smi lists) or indices (0,1,...); None without --gpus."""
+    if spec is None:
+        return None
+    if spec == "all":
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = listed.split(",") if listed is not None else _nvidia_smi_gpus()
+    else:
+        gpus = spec.split(",")
+        if not all(g.strip().isdigit() for g in gpus):
+            raise ValueError(f"--gpus {spec}: give all, or GPU indices separated by commas (0,1)")
+    gpus = [g.strip() for g in gpus if g.strip()]
+    if not gpus:
+        raise ValueError("--gpus all: no GPU is visible (CUDA_VISIBLE_DEVICES is empty)")
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus {spec}: a GPU is listed twice (one replica per GPU)")
+    if replicas is not None and replicas != len(gpus):
+        raise ValueError(f"--replicas {replicas} with --gpus {spec} ({len(gpus)} GPUs): one replica per GPU, "
+                         "leave --replicas out")
+    return gpus
+
+
+def _nvidia_smi_gpus() -> list[str]:
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ValueError(f"--gpus all: nvidia-smi could not list the GPUs ({e}): is the NVIDIA driver installed? "
+                         "Or give the indices (--gpus 0,1)") from e
+    return listed.split()
 
 
 def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: float = START_TIMEOUT_S) -> None:
@@ -81,9 +120,14 @@ def smg_command() -> str:
 
 class ReplicaSet:
     def __init__(self, replicas: int, grpc_port: int, host: str, port: int, model_dir: Path, serve_args: list[str],
-                 policy: str, metrics_port: int):
-        self.replicas = [Replica(i, grpc_port + i, ["--host", "127.0.0.1", "--model", str(model_dir), *serve_args])
-                         for i in range(replicas)]
+                 policy: str, metrics_port: int, gpus: list[str] | None = None, replica_metrics_port: int | None = None):
+        self.replicas = []
+        for i in range(replicas):
+            gpu = gpus[i] if gpus else None
+            own = (["--metrics-port", str(replica_metrics_port + i)] if replica_metrics_port is not None else []) \
+                + (["--metrics-label", f"gpu={gpu}"] if gpu is not None else [])
+            self.replicas.append(Replica(i, grpc_port + i, ["--host", "127.0.0.1", "--model", str(model_dir), *own,
+                                                            *serve_args], gpu))
         self.gateway_args = ["launch", "--host", host, "--port", str(port), "--model-path", str(model_dir),
                              "--policy", policy, "--prometheus-host", host, "--prometheus-port", str(metrics_port),
                              "--health-check-interval-secs", "2", "--health-failure-threshold", "1",

@@ -98,9 +98,22 @@ class _Endpoints(BaseHTTPRequestHandler):
         pass
 
 
+class _Labelled:
+    """A registry's metrics with constant labels added to every sample (a replica's GPU)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry, self.labels = registry, labels
+
+    def collect(self):
+        for metric in self.registry.collect():
+            metric.samples = [s._replace(labels={**self.labels, **s.labels}) for s in metric.samples]
+            yield metric
+
+
 class Observer:
-    def __init__(self, vllm_names: bool = False) -> None:
+    def __init__(self, vllm_names: bool = False, labels: dict[str, str] | None = None) -> None:
         self._http: ThreadingHTTPServer | None = None
+        self.labels = labels or {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("llamastream:requests", "Generate calls by final gRPC status.", ["status"], registry=r)
@@ -124,7 +137,7 @@ class Observer:
         /readyz (200 while health is SERVING) on a thread; returns the port (useful with 0)."""
         text = "text/plain; charset=utf-8"
         routes = {
-            "/metrics": lambda: (200, generate_latest(self.registry), CONTENT_TYPE_LATEST),
+            "/metrics": lambda: (200, generate_latest(_Labelled(self.registry, self.labels)), CONTENT_TYPE_LATEST),
             "/healthz": lambda: (200, b"ok\n", text) if live() else (503, b"the engine has stopped\n", text),
             "/readyz": lambda: (200, b"ok\n", text) if ready() else (503, b"not serving: loading or draining\n", text),
         }

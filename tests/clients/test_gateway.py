@@ -270,32 +270,45 @@ def test_with_a_cache_aware_policy_a_shared_system_prompt_is_mostly_found_cached
             r.stop()
 
 
-def test_llamastream_gateway_serves_replicas_and_restarts_a_dead_one(model_dir, tmp_path):
-    """`llamastream gateway` as a user runs it: two replicas behind smg; one killed is
-    started again on its port and serves; SIGTERM stops it all cleanly."""
-    port, grpc_port = free_port(), free_ports(2)  # (the replicas take grpc_port and the next)
+def test_llamastream_gateway_serves_a_replica_per_gpu_and_restarts_a_dead_one(model_dir, tmp_path):
+    """`llamastream gateway --gpus` as a user runs it, with a fake device list (the
+    replicas run on the CPU): a replica per listed GPU behind smg, each seeing only its
+    GPU and labelling its metrics with it; one killed is started again on its port and
+    GPU and serves; SIGTERM stops it all cleanly."""
+    port, grpc_port, metrics_port = free_port(), free_ports(2), free_ports(2)  # (replica i: the port + i)
     log = (tmp_path / "gateway.log").open("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "server", "gateway", "--replicas", "2", "--host", "127.0.0.1",
-                             "--port", str(port), "--grpc-port", str(grpc_port), "--gateway-metrics-port",
-                             str(free_port()), "--model", str(model_dir), "--", "--device", "cpu"],
+    proc = subprocess.Popen([sys.executable, "-m", "server", "gateway", "--gpus", "0,1", "--host", "127.0.0.1",
+                             "--port", str(port), "--grpc-port", str(grpc_port), "--replica-metrics-port",
+                             str(metrics_port), "--gateway-metrics-port", str(free_port()), "--model", str(model_dir),
+                             "--", "--device", "cpu"],
                             stdout=log, stderr=subprocess.STDOUT, text=True)
 
     def logged() -> str:
         log.seek(0)
         return log.read()
 
-    def started() -> list[tuple[int, int]]:
-        return [(int(i), int(pid)) for i, pid in re.findall(r"replica (\d+) started on port \d+ \(pid (\d+)\)", logged())]
+    def started() -> list[tuple[int, int, int]]:
+        return [(int(i), int(gpu), int(pid)) for i, gpu, pid in
+                re.findall(r"replica (\d+) started on port \d+, GPU (\d+) \(pid (\d+)\)", logged())]
+
+    def check_replica(i: int, pid: int) -> None:
+        environ = dict(v.split("=", 1) for v in open(f"/proc/{pid}/environ").read().split("\0") if "=" in v)
+        assert environ["CUDA_VISIBLE_DEVICES"] == str(i)
+        assert all(("gpu", str(i)) in labels for _, labels in scrape(metrics_port + i))
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="not-needed", max_retries=0, timeout=30)
         ask = functools.partial(client.chat.completions.create, model=model_dir.name, messages=QUESTION, max_tokens=12,
                                 temperature=0)
         wait_for(lambda: ask(), 180, logged)
         assert "Paris" in ask().choices[0].message.content
-        first_pid = next(pid for i, pid in started() if i == 0)
+        assert sorted((i, gpu) for i, gpu, _ in started()) == [(0, 0), (1, 1)]
+        for i, _, pid in started():
+            check_replica(i, pid)
+        first_pid = next(pid for i, _, pid in started() if i == 0)
         os.kill(first_pid, signal.SIGKILL)
-        wait_for(lambda: [i for i, _ in started()].count(0) == 2 or None, 60, logged)
+        wait_for(lambda: [i for i, _, _ in started()].count(0) == 2 or None, 60, logged)
         wait_serving(f"127.0.0.1:{grpc_port}", timeout=120)
+        check_replica(0, [pid for i, _, pid in started() if i == 0][-1])
         assert all("Paris" in ask().choices[0].message.content for _ in range(6))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, logged()
@@ -303,6 +316,38 @@ def test_llamastream_gateway_serves_replicas_and_restarts_a_dead_one(model_dir, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("spec, replicas, environment, expected", [
+    ("0,1", None, None, ["0", "1"]),
+    ("3", 1, None, ["3"]),
+    ("all", None, "4,6", ["4", "6"]),
+    ("all", None, "", "no GPU is visible"),
+    ("0,0", None, None, "listed twice"),
+    ("0,x", None, None, "GPU indices separated by commas"),
+    ("0,1", 3, None, "one replica per GPU"),
+])
+def test_gpus_name_one_replica_each(spec, replicas, environment, expected, monkeypatch):
+    from server.gateway import replica_gpus
+
+    if environment is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", environment)
+    if isinstance(expected, list):
+        assert replica_gpus(spec, replicas) == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            replica_gpus(spec, replicas)
+
+
+def test_gpus_all_without_a_driver_says_what_to_do(monkeypatch, tmp_path):
+    from server.gateway import replica_gpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # (no nvidia-smi)
+    with pytest.raises(ValueError, match=r"nvidia-smi could not list the GPUs .* give the indices"):
+        replica_gpus("all", None)
 
 
 def wait_for(attempt, timeout: float, logged):

@@ -153,3 +153,16 @@ def test_the_gauges_gateways_read_are_also_under_vllm_names():
     assert m[("vllm:num_requests_waiting", ())] == 0
     usage = m[("llamastream:kv_cache_blocks_used", ())] / 64
     assert m[("vllm:kv_cache_usage_perc", ())] == m[("llamastream:kv_cache_usage_perc", ())] == usage > 0
+
+
+def test_metrics_labels_are_on_every_sample():
+    """--metrics-label (what `gateway --gpus` gives each replica: gpu=ITS_GPU)."""
+    server = local_server(metrics_port=0, metrics_labels=[("gpu", "3"), ("zone", "a")])
+    try:
+        collect(stub(f"127.0.0.1:{server.port}").Generate(pb.GenerateRequest(prompt="x", stop=pb.StopCriteria(
+            max_tokens=2)), timeout=30))
+        m = scrape(server.metrics_port)
+    finally:
+        server.drain()
+    assert len(m) > 20 and all(("gpu", "3") in labels and ("zone", "a") in labels for _, labels in m)
+    assert m[("llamastream:requests_total", (("gpu", "3"), ("status", "OK"), ("zone", "a")))] == 1
