@@ -58,8 +58,11 @@ def embedded_model_path() -> Path:
 
 
 def load_model(path: str | Path | None = None, progress: Progress | None = None,
-               quantization: str | None = None) -> LoadedModel:
-    """A model's config, weights (quantized at load to `quantization`, if given) and tokenizer."""
+               quantization: str | None = None, quantize_lm_head: bool = False) -> LoadedModel:
+    """A model's config, weights (quantized at load to `quantization`, if given, the head
+    too with `quantize_lm_head`) and tokenizer."""
+    if quantize_lm_head and not quantization:
+        raise ValueError("--quantize-lm-head quantizes the head with the layers: give --quantization too")
     model_path = Path(path) if path else embedded_model_path()
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist: pass a Hugging Face directory or a .gguf file")
@@ -82,7 +85,8 @@ def load_model(path: str | Path | None = None, progress: Progress | None = None,
     else:
         raise ValueError(f"{model_path} is neither a Hugging Face model directory nor a .gguf file")
     if quantization:
-        weights = quantize_at_load(quantization, weights)
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        weights = quantize_at_load(quantization, weights, head if quantize_lm_head else None)
     check_weights(weights, config)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")

@@ -71,6 +71,7 @@ class ServerConfig:
     max_model_len: int | None = None
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # the largest structured-output constraint a request may send
     quantization: str | None = None  # quantize a bfloat16 checkpoint's layers at load (fp8)
+    quantize_lm_head: bool = False  # and its head (the tied embedding)
     engine_process: bool = True  # False: the engine on a thread of the server's process
     max_waiting: int = 256
     grace: float = 30.0
@@ -85,6 +86,10 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus /metrics over HTTP (0: any free port)
     vllm_metric_names: bool = False  # also the gauges gateways read, under vLLM's names
     metrics_labels: list[tuple[str, str]] = field(default_factory=list)  # (name, value) every metric carries
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
 
 class LoadingProgress:
@@ -111,7 +116,7 @@ class LoadingProgress:
 def build_engine(cfg: ServerConfig) -> LLMEngine:
     """The model on its backend with a KV cache as large as the settings allow (run
     where the engine will run: in its process, or in the server's)."""
-    model = load_model(cfg.model, LoadingProgress(), cfg.quantization)
+    model = load_model(cfg.model, LoadingProgress(), cfg.quantization, cfg.quantize_lm_head)
     backend = create_backend(cfg.device, model.config, model.model_weights(), cuda_graphs=not cfg.enforce_eager,
                              batch_invariant=cfg.batch_invariant, kv_cache_dtype=cfg.kv_cache_dtype)
     engine = LLMEngine(model, backend, EngineConfig(
@@ -240,7 +245,7 @@ class Server:
         security = ("mutual TLS" if cfg.tls_client_ca else "TLS") if cfg.tls_cert else "plaintext"
         parts = [
             f"model {info.model_name} on {info.backend_name}",
-            f"{info.weight_format} weights computed in {info.weight_dtype} ({info.weight_bytes / 1e9:.2f} GB)",
+            f"{info.weight_format} weights computed in {info.weight_dtype} ({_size(info.weight_bytes)})",
             f"{info.kv_cache_dtype} KV cache",
             f"max-num-seqs {info.max_num_seqs}",
             f"max-num-batched-tokens {info.max_num_batched_tokens}",

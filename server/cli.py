@@ -72,6 +72,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["fp8"],
                    help="quantize the layers' weights at load: fp8 (e4m3, a scale per output row); quantized "
                         "checkpoints (AWQ, GPTQ, FP8, compressed-tensors) load as they are without it")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization: quantize the head too (the embedding, where the head is tied to it)")
     p.add_argument("--max-grammar-bytes", type=POSITIVE, default=d.max_grammar_bytes,
                    help="the largest structured-output constraint (JSON schema, regex, grammar or choices) a request "
                         f"may send, in bytes (default {d.max_grammar_bytes}); compiling one is bounded by llguidance's "

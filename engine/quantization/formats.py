@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from engine.quantization.fp8 import Fp8Weight
-from engine.quantization.int4 import from_awq, from_gptq, from_pack_quantized
-from engine.weights import Tensor, Weights
+from engine.quantization.int4 import Int4Weight, from_awq, from_gptq, from_pack_quantized
+from engine.weights import Weights
 
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")  # quantization_config.quant_method
 QUANTIZE_AT_LOAD = ("fp8",)  # --quantization
@@ -108,14 +108,16 @@ def _checked(name: str, weight):
     return weight
 
 
-def quantize_at_load(method: str, weights: Weights) -> Weights:
+def quantize_at_load(method: str, weights: Weights, head: str | None = None) -> Weights:
     """A bfloat16 (or float32) checkpoint's layer matrices quantized (`--quantization
-    fp8`: per-output-channel scales); the embedding and the head stay as they are."""
+    fp8`: per-output-channel scales), and the tensor named `head` if given (the head, or
+    the embedding it is tied to: at batch 1 a fifth of the bytes); the embedding and the
+    head stay as they are otherwise."""
     if method not in QUANTIZE_AT_LOAD:
         raise ValueError(f"--quantization {method}: llamastream quantizes at load to {', '.join(QUANTIZE_AT_LOAD)}")
     out = dict(weights)
-    for name in [n for n, t in weights.items() if n.startswith("model.layers.") and len(t.shape) == 2]:
-        if not isinstance(out[name], Tensor):
+    for name in [n for n, t in weights.items() if n.startswith("model.layers.") and len(t.shape) == 2] + [head] * bool(head):
+        if isinstance(out[name], (Fp8Weight, Int4Weight)):
             raise ValueError(f"--quantization {method}: {name} is quantized already (the checkpoint is): "
                              "leave --quantization out")
         out[name] = Fp8Weight.quantize(out[name].float32())
