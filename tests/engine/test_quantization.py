@@ -13,8 +13,8 @@ import shutil
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
+from devtools.quantized import FORMATS, write_quantized
 from engine.backends import create_backend
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import load_model
@@ -111,56 +111,29 @@ def test_pack_quantized_symmetric_is_offset_by_eight():
     assert np.array_equal(got.float32(), reference(q, np.full((16, 4), 8), scale, np.arange(32) // 8))
 
 
-def quantize_int4(w: np.ndarray, group: int) -> Int4Weight:
-    """Asymmetric INT4 with per-group min/max (what AWQ and GPTQ checkpoints hold)."""
-    out, columns = w.shape
-    g = w.reshape(out, columns // group, group)
-    lo, hi = np.minimum(g.min(axis=2), 0), np.maximum(g.max(axis=2), 0)  # (0 in range: the zero point is a nibble)
-    scale = (np.maximum(hi - lo, 1e-8) / 15).astype(np.float16).astype(np.float32)
-    zero = np.clip(np.round(-lo / scale), 0, 15).astype(np.uint8)
-    q = np.clip(np.round(g / scale[..., None]) + zero[..., None], 0, 15).astype(np.uint8).reshape(out, columns)
-    return Int4Weight(q, scale, zero, (np.arange(columns) // group).astype(np.int32))
-
-
 def cpu_engine(model, kv_cache_dtype: str = "auto") -> LLMEngine:
     return LLMEngine(model, create_backend("cpu", model.config, model.model_weights(), kv_cache_dtype=kv_cache_dtype),
                      EngineConfig(num_kv_blocks=64))
 
 
-def write_awq(source, out_dir, group: int = 16):
-    """The tiny model's checkpoint with every layer linear in AutoAWQ's GEMM layout."""
-    shutil.copytree(source, out_dir)
-    model = load_model(source)
-    tensors = {}
-    for name, t in model.weights.items():
-        w = t.float32()
-        if ".layers." in name and w.ndim == 2:
-            base = name[: -len(".weight")]
-            q4 = quantize_int4(w, group)
-            tensors[base + ".qweight"] = pack_int32(q4.codes.T, axis=1, shifts=_AWQ_SHIFTS)
-            tensors[base + ".qzeros"] = pack_int32(q4.zero.T, axis=1, shifts=_AWQ_SHIFTS)
-            tensors[base + ".scales"] = q4.scale.T.astype(np.float16)
-        else:
-            tensors[name] = w
-    (out_dir / "model.safetensors").unlink()
-    save_file({name: np.ascontiguousarray(t) for name, t in tensors.items()}, str(out_dir / "model.safetensors"))
-    config = json.loads((out_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "version": "gemm", "w_bit": 4, "q_group_size": group,
-                                     "zero_point": True}
-    (out_dir / "config.json").write_text(json.dumps(config))
-    return model
-
-
-def test_an_awq_checkpoint_loads_and_serves_close_to_its_source(tmp_path):
-    source = write_awq(TINY_MODEL, tmp_path / "awq")
-    quantized = load_model(tmp_path / "awq")
-    w = quantized.weights["model.layers.0.mlp.down_proj.weight"]
-    assert isinstance(w, Int4Weight) and w.nbytes < source.weights["model.layers.0.mlp.down_proj.weight"].nbytes / 6
-    error = np.abs(w.float32() - source.weights["model.layers.0.mlp.down_proj.weight"].float32()).max()
-    assert error < 0.5 * w.scale.max() + 1e-6  # within half a quantization step
-    prompt = [1, 5, 9, 42, 7, 300, 12]
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_round_trips_and_serves_close_to_its_source(fmt, tmp_path):
+    """Each format written (devtools/quantized.py: the layouts of AutoAWQ, GPTQ v1,
+    compressed-tensors and Hugging Face's fp8), read back exactly as written, within
+    its rounding of the source, and served by the numpy backend."""
+    written = write_quantized(TINY_MODEL, tmp_path / fmt, fmt, group=16)
+    source, quantized = load_model(TINY_MODEL), load_model(tmp_path / fmt)
+    assert len(written) == 14 and quantized.weight_format == ("fp8" if fmt.startswith("fp8") else "int4")
+    for name, q in written.items():
+        ours, w = quantized.weights[name], source.weights[name].float32()
+        assert type(ours) is type(q) and np.array_equal(ours.float32(), q.float32()), name
+        assert ours.nbytes < w.nbytes / (3 if fmt.startswith("fp8") else 6)
+        # within a step of its group (INT4), or e4m3's rounding: 3 mantissa bits, subnormals below 2^-6 of a scale
+        bound = q.scale[:, q.group] if isinstance(q, Int4Weight) else np.abs(w) / 16 + 3e-6 * np.abs(w).max()
+        assert (np.abs(ours.float32() - w) <= bound + 1e-7).all(), name
     engine = cpu_engine(quantized)
-    outs = run(engine, [engine.make_sequence("q", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))])
+    outs = run(engine, [engine.make_sequence("q", [1, 5, 9, 42, 7, 300, 12], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                                             ignore_eos=True))])
     assert len(tokens(outs["q"])) == 8
 
 
@@ -177,7 +150,7 @@ def test_formats_llamastream_does_not_serve_are_named(tmp_path):
 
 
 def test_a_config_that_does_not_match_its_tensors_names_the_tensor(tmp_path):
-    write_awq(TINY_MODEL, tmp_path / "awq", group=16)
+    write_quantized(TINY_MODEL, tmp_path / "awq", "awq", group=16)
     config = json.loads((tmp_path / "awq" / "config.json").read_text())
     config["quantization_config"]["q_group_size"] = 8  # the scales say 16
     (tmp_path / "awq" / "config.json").write_text(json.dumps(config))
@@ -196,7 +169,7 @@ def test_quantizing_the_head_too_quantizes_the_head_or_the_embedding_tied_to_it(
 
 
 def test_quantizing_a_quantized_checkpoint_again_is_refused(tmp_path):
-    write_awq(TINY_MODEL, tmp_path / "awq")
+    write_quantized(TINY_MODEL, tmp_path / "awq", "awq", group=16)
     with pytest.raises(ValueError, match=r"is quantized already \(the checkpoint is\): leave --quantization out"):
         load_model(tmp_path / "awq", quantization="fp8")
 
@@ -278,7 +251,7 @@ def test_smollm2_quantized_still_answers_paris_and_its_perplexity_is_reported(tm
 
     text = (TINY_MODEL.parent / "perplexity.txt").read_text()
     hf_dir = convert_gguf(embedded_model_path(), tmp_path / "smollm2")
-    write_awq(hf_dir, tmp_path / "smollm2-awq", group=64)
+    write_quantized(hf_dir, tmp_path / "smollm2-awq", "awq", group=64)
     shipped = load_model(hf_dir)
     engines = {"as shipped": cpu_engine(shipped), "fp8": cpu_engine(load_model(hf_dir, quantization="fp8")),
                "fp8 with its head": cpu_engine(load_model(hf_dir, quantization="fp8", quantize_lm_head=True)),
