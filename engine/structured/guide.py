@@ -14,7 +14,6 @@ from engine.sampling_params import InvalidRequest
 from engine.structured.constraint import Constraint
 from engine.tokenizer import Tokenizer
 
-ALL_ALLOWED = -1  # a bitmask word with every bit set
 DEFAULT_MAX_GRAMMAR_BYTES = 65536
 
 
@@ -74,7 +73,6 @@ class Guide:
         self.must_stop = False  # its last mask allowed nothing but eos
 
 
-
 @functools.cache
 def _executor() -> llguidance.LLExecutor:
     """llguidance's pool of threads for computing masks, one for the process."""
@@ -103,8 +101,8 @@ def fill_masks(guides: list[Guide], vocab_size: int, out: np.ndarray | None = No
     return masks
 
 
-def start_filling_masks(guides: list[Guide], vocab_size: int, out: np.ndarray | None = None,
-                        accepted: list[tuple[Guide, int]] = ()) -> Future[np.ndarray]:
+def start_filling_masks(guides: list[Guide], vocab_size: int, out: np.ndarray | None,
+                        accepted: list[tuple[Guide, int]]) -> Future[np.ndarray]:
     """accept_tokens(accepted), then fill_masks, on a thread of their own; returned once
     that thread has started: while llguidance computes it lets go of the GIL, and the
     caller's thread goes on. No guide may be touched before the result is taken."""
