@@ -168,7 +168,7 @@ def main() -> None:
     w = GPU if args.device == "cuda" else CPU
     model, flops, bandwidth, tmp = load(args.device)
     c = model.config
-    params = sum(t.data.size for t in model.weights.values())
+    params = sum(int(np.prod(t.shape)) for t in model.weights.values())
     weight_bytes = params * (2 if args.device == "cuda" else 4)
     budget = 2048 if args.device == "cuda" else 256
     print(f"{model.name} on {args.device}: (a) {w.requests} requests, a {w.system}-token system prompt and "
