@@ -146,7 +146,9 @@ class NumpyBackend:
         # K and V as computed (float32), or as e4m3 bit patterns with a scale of 1 (vLLM's
         # fp8 without calibrated scales): a quarter of the bytes, the values rounded to
         # 3 mantissa bits and saturating at 448
-        self.kv_cache_dtype = "fp8_e4m3" if kv_cache_dtype == "fp8" else "float32"
+        self.fp8_kv = kv_cache_dtype == "fp8"
+        self.kv_cache_dtype = "fp8_e4m3" if self.fp8_kv else "float32"
+        self._kv_type = np.dtype(np.uint8 if self.fp8_kv else np.float32)
         self.config = config
         self.architecture = architecture_of(config)
         self.embed = weights.embed.float32()
@@ -163,25 +165,22 @@ class NumpyBackend:
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.config
-        return 2 * c.num_layers * block_size * c.kv_size * self._kv_type().itemsize
-
-    def _kv_type(self) -> np.dtype:
-        return np.dtype(np.uint8 if self.kv_cache_dtype == "fp8_e4m3" else np.float32)
+        return 2 * c.num_layers * block_size * c.kv_size * self._kv_type.itemsize
 
     def kv_store(self, x: np.ndarray) -> np.ndarray:
         """K or V as the cache holds them."""
-        return f32_to_e4m3(x) if self.kv_cache_dtype == "fp8_e4m3" else x
+        return f32_to_e4m3(x) if self.fp8_kv else x
 
     def kv_load(self, stored: np.ndarray) -> np.ndarray:
         """K or V from the cache, in float32."""
-        return e4m3_to_f32(stored) if self.kv_cache_dtype == "fp8_e4m3" else stored
+        return e4m3_to_f32(stored) if self.fp8_kv else stored
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
         c = self.config
         shape = (num_blocks * block_size, c.num_kv_heads, c.head_dim)
         self.block_size = block_size
-        self.k_cache = [np.zeros(shape, self._kv_type()) for _ in range(c.num_layers)]
-        self.v_cache = [np.zeros(shape, self._kv_type()) for _ in range(c.num_layers)]
+        self.k_cache = [np.zeros(shape, self._kv_type) for _ in range(c.num_layers)]
+        self.v_cache = [np.zeros(shape, self._kv_type) for _ in range(c.num_layers)]
 
     def _slots(self, block_table: np.ndarray, length: int) -> np.ndarray:
         blocks = np.asarray(block_table, dtype=np.int64)
