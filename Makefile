@@ -73,8 +73,23 @@ gpu-bench:
 	$(PYTHON) bench/profile_server.py --model $(BENCH_OUT)/llama-1b-random --device cuda --max-num-seqs 256 \
 	  --max-num-batched-tokens 8192 2>/dev/null | tee $(BENCH_OUT)/profile_server.txt
 
-bench-cpu: $(VENV)/.installed $(STUBS)
-	$(BIN)/python bench/cpu_decode.py
+# CPU decode against llama.cpp on the same GGUF files (bench/cpu_decode.py). llama.cpp comes
+# from llama-cpp-python, built from source into its own .venv-bench (the server's and the
+# tests' environment stay as they are) with this CPU's instruction set and OpenMP; the build
+# takes about 10 minutes on two cores. BENCH_ARGS goes to the script.
+BENCH_VENV := .venv-bench
+BENCH_ARGS ?=
+bench-cpu: $(VENV)/.installed $(STUBS) $(BENCH_VENV)/.installed
+	$(BIN)/python bench/cpu_decode.py --llama-cpp-python $(BENCH_VENV)/bin/python $(BENCH_ARGS)
+
+$(BENCH_VENV)/.installed: bench/requirements-llama-cpp.txt
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+	  -c bench/requirements-llama-cpp.txt scikit-build-core pathspec packaging
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON" nice $(BENCH_VENV)/bin/python -m pip install -q \
+	  --disable-pip-version-check --no-deps --no-build-isolation --no-binary llama-cpp-python \
+	  -r bench/requirements-llama-cpp.txt
+	touch $@
 
 # Golden fixtures from Hugging Face transformers (needs torch; run by hand, then commit).
 fixtures:

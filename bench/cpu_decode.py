@@ -1,31 +1,50 @@
-"""Decode throughput of SmolLM2-135M-Instruct on the CPU: llamastream's numpy backend
-beside Hugging Face transformers (when torch is installed), on the same prompts.
+"""CPU decode throughput: llamastream's CPU backends beside llama.cpp and Hugging Face
+transformers, on the same GGUF files, the same prompts and the same cores, in one run:
 
-    python bench/cpu_decode.py [--new-tokens 128]
+    python bench/cpu_decode.py [--backends numpy,cpu] [--new-tokens 128]
+                               [--llama-cpp-python .venv-bench/bin/python]
 
-Both run in float32 and generate exactly --new-tokens tokens per sequence (eos
-ignored); tokens/s counts generated tokens over the wall time of the whole
-generation, prefill included. The floor is the float32 weight bytes read per
-decode step over this machine's memory bandwidth (a numpy copy, measured here), or
-the matmul FLOPs per step over a large numpy matmul's FLOP/s, whichever is slower.
+(`make bench-cpu` builds llama-cpp-python into .venv-bench and runs this with it.) The
+models: SmolLM2-135M-Instruct from the embedded Q4_1 GGUF at batch 1 and 8, and a random
+Llama 3.2 1B-shaped model in Q8_0 and in Q4_0 at batch 1 (devtools/gguf_models.py writes
+them into --models-dir on first use, about a minute each).
+
+Every engine generates exactly --new-tokens greedy tokens per sequence (eos ignored);
+tokens/s counts them over the wall time of the whole generation, prefill included,
+after a warm-up run of a few tokens. llamastream runs each backend --backends names
+(engine.backends.create_backend), in this process; llama.cpp runs in a process of its
+own (bench/llama_cpp_decode.py) with --threads threads; transformers runs in float32,
+dequantizing the GGUF, where torch is installed. A column an engine cannot fill says why.
+
+Each figure is beside its ceiling: the batch over the floor of a step's time, the weight
+bytes one step reads, as stored (quantized blocks; the tied embedding counted whole, as
+the head that reads it all, plus the rows its lookup reads), over this machine's memory
+read bandwidth (numpy sums of a 512 MiB array, one part a thread, measured here). The
+KV cache's reads are left out of the floor: at these lengths they are a few MB a sequence.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from engine.backends.numpy_backend import NumpyBackend  # noqa: E402
+from engine.backends import create_backend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from engine.model_loader import embedded_model_path, load_model  # noqa: E402
+from engine.model_loader import LoadedModel, embedded_model_path, load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 QUESTIONS = [
@@ -33,6 +52,8 @@ QUESTIONS = [
     "List three prime numbers.", "Why is the sky blue?", "Describe a cat in one sentence.",
     "What is 12 times 12?", "Name a famous painter.",
 ]
+EMBED = "model.embed_tokens.weight"
+WARMUP_TOKENS = 4
 
 
 def memory_bandwidth() -> float:
@@ -41,6 +62,15 @@ def memory_bandwidth() -> float:
     b = np.empty_like(a)
     best = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
     return 2 * a.nbytes / best
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes per second read by `threads` threads summing their parts of a 512 MiB array
+    (numpy lets go of the GIL in a sum): what a decode step's weight reads can reach."""
+    parts = np.array_split(np.ones(2**29 // 4, dtype=np.float32), threads)
+    with ThreadPoolExecutor(threads) as pool:
+        best = min(_timed(lambda: list(pool.map(np.sum, parts))) for _ in range(5))
+    return sum(p.nbytes for p in parts) / best
 
 
 def matmul_flops() -> float:
@@ -56,70 +86,198 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def ours(model, prompts: list[list[int]], new_tokens: int, seeded: bool | None = None) -> float:
-    """Greedy decoding, or with `seeded` set, sampling (temperature 1, top-p 0.9) with
-    or without a seed per request."""
-    engine = LLMEngine(model, NumpyBackend(model.config, model.model_weights()), EngineConfig(num_kv_blocks=1024, max_num_seqs=64))
-    params = [SamplingParams(temperature=0.0 if seeded is None else 1.0, top_p=1.0 if seeded is None else 0.9,
-                             seed=i if seeded else None, max_tokens=new_tokens, ignore_eos=True)
-              for i in range(len(prompts))]
-    seqs = [engine.make_sequence(f"r{i}", p, params[i]) for i, p in enumerate(prompts)]
-    start = time.perf_counter()
-    for s in seqs:
-        engine.add(s)
-    generated = 0
-    while engine.has_work():
-        generated += sum(len(o.token_ids) for o in engine.step())
-    assert generated == new_tokens * len(prompts)
-    return generated / (time.perf_counter() - start)
+def step_bytes(model: LoadedModel, batch: int) -> int:
+    """Weight bytes one decode step of `batch` sequences reads, as stored: every matrix
+    and norm, the head (the embedding whole, if tied), and a row of the embedding each."""
+    w = model.weights
+    embed = w[EMBED]
+    head = 0 if "lm_head.weight" in w else embed.nbytes
+    return sum(t.nbytes for name, t in w.items() if name != EMBED) + head + batch * embed.nbytes // embed.shape[0]
 
 
-def transformers_tps(prompts: list[list[int]], new_tokens: int) -> float | None:
+def ours(model: LoadedModel, backend_name: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, str]:
+    """Tokens/s of llamastream's engine on `backend_name`, greedy, and the backend's class
+    (what the name means today). The prefix cache is off: the warm-up's prompts would
+    otherwise spare the timed run's prefill."""
+    backend = create_backend(backend_name, model.config, model.model_weights())
+    blocks = len(prompts) * (-(-(max(map(len, prompts)) + new_tokens) // 16) + 1)  # (16: the block size)
+    engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=blocks, max_num_seqs=len(prompts),
+                                                    max_model_len=blocks * 16, enable_prefix_caching=False))
+
+    def generate(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        for i, p in enumerate(prompts):
+            engine.add(engine.make_sequence(f"r{i}", p, params))
+        generated = 0
+        while engine.has_work():
+            generated += sum(len(o.token_ids) for o in engine.step())
+        assert generated == n * len(prompts)
+        return time.perf_counter() - start
+
+    generate(WARMUP_TOKENS)
+    return new_tokens * len(prompts) / generate(new_tokens), type(backend).__name__
+
+
+def llama_cpp(python: str | None, path: Path, prompts: list[list[int]], new_tokens: int,
+              threads: int) -> tuple[float | None, str]:
+    """llama.cpp's tokens/s and its build (or None and why not), from
+    bench/llama_cpp_decode.py run by `python`."""
+    if python is None:
+        return None, "llama-cpp-python is not installed: `make bench-cpu` builds it into .venv-bench"
+    if shutil.which(python) is None:
+        return None, f"{python} does not exist: `make bench-cpu` builds llama-cpp-python into .venv-bench"
+    run = subprocess.run([python, str(ROOT / "bench" / "llama_cpp_decode.py"), str(path), "--threads", str(threads),
+                          "--new-tokens", str(new_tokens)], input=json.dumps(prompts), capture_output=True, text=True)
+    if run.returncode != 0:
+        return None, f"bench/llama_cpp_decode.py failed ({run.returncode}): {run.stderr.strip()[-2000:]}"
+    result = json.loads(run.stdout)
+    return result["tokens_per_s"], f"llama-cpp-python {result['version']}: {result['system_info']}"
+
+
+def default_llama_cpp_python() -> str | None:
+    """.venv-bench's interpreter if `make bench-cpu` built it, else this one if it has
+    llama-cpp-python, else None."""
+    bench = ROOT / ".venv-bench" / "bin" / "python"
+    if bench.exists():
+        return str(bench)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
+    return sys.executable
+
+
+def transformers_tps(path: Path, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[float | None, str]:
+    """transformers' float32 tokens/s on the GGUF file (dequantized as it loads), greedy,
+    the prompts left-padded into one batch; or None and why not."""
     try:
         import torch
         from transformers import AutoModelForCausalLM
-    except ImportError:
-        return None
-    path = embedded_model_path()
+    except ImportError as e:
+        return None, f"{e.name or e} is not installed here (pip install torch transformers, to add this column)"
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        start = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)
-        elapsed = time.perf_counter() - start
-    assert out.shape[1] - width == new_tokens
-    return new_tokens * len(prompts) / elapsed
+
+    def generate(n: int) -> float:
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0)
+            elapsed = time.perf_counter() - start
+        assert out.shape[1] - width == n
+        return elapsed
+
+    generate(WARMUP_TOKENS)
+    return new_tokens * len(prompts) / generate(new_tokens), f"transformers float32, torch {torch.__version__}"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def commit() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return rev + (" with uncommitted changes" if dirty else "")
+
+
+def models(models_dir: Path) -> list[tuple[str, Path, list[int]]]:
+    """(label, GGUF file, batch sizes) of each model measured, writing the 1B-shaped
+    files if they are missing."""
+    from devtools.checkpoints import LLAMA_32_1B
+    from devtools.gguf_models import TYPES, write_gguf
+
+    cases = [("SmolLM2-135M Q4_1", embedded_model_path(), [1, 8])]
+    for kind in ("q8_0", "q4_0"):
+        path = models_dir / f"llama-3.2-1b-random.{kind}.gguf"
+        if not path.exists():
+            print(f"writing {path} (a random Llama 3.2 1B-shaped model in {kind.upper()}, about a minute)", flush=True)
+            models_dir.mkdir(parents=True, exist_ok=True)
+            write_gguf(path, LLAMA_32_1B, TYPES[kind])
+        cases.append((f"Llama-3.2-1B-shaped {kind.upper()}", path, [1]))
+    return cases
+
+
+def prompts_for(model: LoadedModel) -> list[list[int]]:
+    """The questions as token ids: in the chat template where the model has one."""
+    tok = model.tokenizer
+    if tok.chat_template:
+        return [tok.encode_chat([{"role": "user", "content": q}])[0] for q in QUESTIONS]
+    return [tok.encode(q) for q in QUESTIONS]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", default="numpy,cpu", help="llamastream's backends, by create_backend's names")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp's and torch's")
+    ap.add_argument("--llama-cpp-python", default=default_llama_cpp_python(),
+                    help="an interpreter with llama-cpp-python (default: .venv-bench's, else this one's if it has it)")
+    ap.add_argument("--models-dir", type=Path, default=ROOT / "bench" / "out")
+    ap.add_argument("--no-transformers", action="store_true")
     args = ap.parse_args()
-    model = load_model()
-    tok = model.tokenizer
-    prompts = [tok.encode_chat([{"role": "user", "content": q}])[0] for q in QUESTIONS]
-    embed_bytes = model.weights["model.embed_tokens.weight"].float32().nbytes
-    weight_bytes = sum(w.float32().nbytes for w in model.weights.values())  # tied head: the embedding is read again
-    step_bytes = weight_bytes + (embed_bytes if model.config.tie_word_embeddings else 0)
-    flops_per_token = 2 * step_bytes / 4  # a multiply-add per weight; attention is small at these lengths
-    bandwidth, peak = memory_bandwidth(), matmul_flops()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"memory copy {bandwidth / 1e9:.1f} GB/s; numpy matmul {peak / 1e9:.0f} GFLOP/s; "
-          f"per decode step: {step_bytes / 1e6:.0f} MB of float32 weights, {flops_per_token / 1e6:.0f} MFLOP per sequence")
-    print(f"{'batch':>5} | {'llamastream tok/s':>17} | {'transformers tok/s':>18} | {'ceiling tok/s (floor)':>21}")
-    for batch in (1, 8):
-        ps = prompts[:batch]
-        hf = transformers_tps(ps, args.new_tokens)
-        step_s = max(step_bytes / bandwidth, batch * flops_per_token / peak)
-        hf_text = f"{hf:18.1f}" if hf else f"{'(torch not installed)':>18}"
-        print(f"{batch:>5} | {ours(model, ps, args.new_tokens):17.1f} | {hf_text} | {batch / step_s:21.1f}")
-    print("sampled, temperature 1 and top-p 0.9, batch 4:")
-    print(f"{'seeds':>11} | {'llamastream tok/s':>17}")
-    for seeded in (False, True):
-        print(f"{'per request' if seeded else 'none':>11} | {ours(model, prompts[:4], args.new_tokens, seeded):17.1f}")
+    backends = [b for b in args.backends.split(",") if b]
+    cases = models(args.models_dir)
+
+    bandwidth = read_bandwidth(args.threads)
+    print(f"machine: {cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.system()} {platform.release()}; "
+          f"memory read {bandwidth / 1e9:.1f} GB/s ({args.threads} threads), copy {memory_bandwidth() / 1e9:.1f} GB/s")
+    print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(f"date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; llamastream {commit()}")
+    print(f"{args.new_tokens} greedy tokens a sequence; tok/s (in brackets: of the ceiling, batch x bandwidth / bytes)")
+    columns = [*backends, "llama.cpp", "transformers"]
+    header = f"{'model':<26} | {'batch':>5} | {'MB/step':>7} | {'ceiling':>7} | " + " | ".join(f"{c:>14}" for c in columns)
+    print(header)
+    print("-" * len(header))
+    notes: dict[str, list[str]] = {}  # a column's note: the rows it is true of
+    for label, path, batches in cases:
+        model = load_model(path)
+        prompts = prompts_for(model)
+        for batch in batches:
+            ps = prompts[:batch]
+            ceiling = batch * bandwidth / step_bytes(model, batch)
+            row = f"{label} batch {batch}"
+            cells = []
+            for name in backends:
+                try:
+                    tps, cls = ours(model, name, ps, args.new_tokens)
+                    note = f"{name}: {cls}"
+                except Exception as e:  # (an unknown name, a missing compiler, a format it does not serve)
+                    tps, note = None, f"{name}: skipped, {type(e).__name__}: {e}"
+                notes.setdefault(note, []).append(row)
+                cells.append(tps)
+            tps, note = llama_cpp(args.llama_cpp_python, path, ps, args.new_tokens, args.threads)
+            notes.setdefault(f"llama.cpp: {note}", []).append(row)
+            cells.append(tps)
+            if args.no_transformers:
+                tps, note = None, "left out (--no-transformers)"
+            else:
+                tps, note = transformers_tps(path, ps, args.new_tokens, args.threads)
+            notes.setdefault(f"transformers: {note}", []).append(row)
+            cells.append(tps)
+            text = [f"{t:7.1f} ({t / ceiling:3.0%})" if t else f"{'-':>14}" for t in cells]
+            print(f"{label:<26} | {batch:>5} | {step_bytes(model, batch) / 1e6:7.1f} | {ceiling:7.1f} | "
+                  + " | ".join(text), flush=True)
+        del model
+    rows = sum(len(b) for _, _, b in cases)
+    print("notes:")
+    for note, where in notes.items():
+        print(f"  {note}" + ("" if len(where) == rows else f" ({'; '.join(where)})"))
 
 
 if __name__ == "__main__":
