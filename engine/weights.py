@@ -159,7 +159,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf_weights(reader, config: ModelConfig, progress: Progress | None = None) -> Weights:
-    """The tensors of a GGUF file: Q4_0, Q4_1 and Q8_0 matrices as stored (GgufWeight),
+    """The tensors of a GGUF file: Q4_0, Q4_1, Q8_0 and Q4_K matrices as stored (GgufWeight),
     every other type dequantized to float32."""
     from gguf import dequantize
 

@@ -58,9 +58,10 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     device: str = "auto"
+    threads: int | None = None  # CPU backend: default, the cores the process may use
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 2.0  # numpy backend
+    kv_cache_memory_gb: float = 2.0  # CPU backends
     kv_cache_dtype: str = "auto"  # the backend's own, or fp8 (e4m3)
     gpu_memory_utilization: float = 0.9  # cuda backend
     enforce_eager: bool = False  # cuda backend: no CUDA graphs
@@ -118,7 +119,8 @@ def build_engine(cfg: ServerConfig) -> LLMEngine:
     where the engine will run: in its process, or in the server's)."""
     model = load_model(cfg.model, LoadingProgress(), cfg.quantization, cfg.quantize_lm_head)
     backend = create_backend(cfg.device, model.config, model.model_weights(), cuda_graphs=not cfg.enforce_eager,
-                             batch_invariant=cfg.batch_invariant, kv_cache_dtype=cfg.kv_cache_dtype)
+                             batch_invariant=cfg.batch_invariant, kv_cache_dtype=cfg.kv_cache_dtype,
+                             threads=cfg.threads)
     engine = LLMEngine(model, backend, EngineConfig(
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks or _kv_cache_blocks(cfg, backend),

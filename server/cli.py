@@ -8,7 +8,7 @@ import re
 import sys
 
 
-from engine.backends import DEFAULT_TOKEN_BUDGETS
+from engine.backends import DEFAULT_TOKEN_BUDGETS, DEVICES
 from engine.backends.base import KV_CACHE_DTYPES
 from server import package_version
 from server.app import MIN_MESSAGE_BYTES, ServerConfig
@@ -41,8 +41,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host})")
     p.add_argument("--port", type=PORT, default=d.port, help=f"port (default {d.port})")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device,
-                   help="cuda, cpu (the numpy backend), or auto: cuda when a GPU and pycuda are present")
+    p.add_argument("--device", choices=DEVICES, default=d.device,
+                   help="cuda; cpu (our compiled kernels, the weights as stored); numpy (the float32 reference); or "
+                        "auto: cuda when a GPU and pycuda are present, else cpu, else (no C compiler) numpy")
+    p.add_argument("--threads", type=POSITIVE,
+                   help="threads a CPU backend's step runs on (default: the cores this process may use)")
     p.add_argument("--max-num-seqs", type=POSITIVE, default=d.max_num_seqs, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=POSITIVE,
                    help="token budget of one step; longer prompts are prefilled in chunks (default: "

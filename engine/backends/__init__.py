@@ -1,5 +1,6 @@
 """Compute backends, each a `Backend` (base.py): `numpy` is the float32 reference
-that runs anywhere; `cuda` runs on NVIDIA GPUs."""
+that runs anywhere; `cpu` runs our compiled CPU kernels on the weights as stored;
+`cuda` runs on NVIDIA GPUs."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from engine.backends.base import Backend
 from engine.config import ModelConfig
 from engine.weights import ModelWeights
 
+DEVICES = ("auto", "cpu", "numpy", "cuda")
 log = logging.getLogger("llamastream.engine")
 # Tokens one step may compute, by default. A step's time grows with its tokens, and
 # every running stream waits a step for its next token. On the GPU 2,048 prompt tokens
 # take a few milliseconds. On two CPU cores the numpy backend computes about 300 prompt
 # tokens a second of the embedded model whatever the chunk (32 to 1,024): 128 keeps a
 # step near 0.4 s, where 2,048 held every stream up for about 9 s.
-DEFAULT_TOKEN_BUDGETS = {"cuda": 2048, "numpy": 128}
+DEFAULT_TOKEN_BUDGETS = {"cuda": 2048, "cpu": 256, "numpy": 128}
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -38,11 +40,12 @@ def cuda_unavailable_reason() -> str | None:
 
 
 def create_backend(device: str, config: ModelConfig, weights: ModelWeights, cuda_graphs: bool = True,
-                   batch_invariant: bool = False, kv_cache_dtype: str = "auto") -> Backend:
-    """The backend for --device auto|cpu|cuda; auto takes cuda when it can run. The
-    numpy backend is batch-invariant whatever `batch_invariant` says."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device must be auto, cpu or cuda, not {device!r}")
+                   batch_invariant: bool = False, kv_cache_dtype: str = "auto", threads: int | None = None) -> Backend:
+    """The backend for --device auto|cpu|numpy|cuda. auto takes cuda when it can run,
+    else cpu, else (no C compiler) numpy, saying why. The CPU backends are
+    batch-invariant whatever `batch_invariant` says; `threads` is the CPU backend's."""
+    if device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {device!r}")
     if device in ("auto", "cuda"):
         reason = cuda_unavailable_reason()
         if reason is None:
@@ -50,12 +53,32 @@ def create_backend(device: str, config: ModelConfig, weights: ModelWeights, cuda
 
             log.info("device %s: using the CUDA backend", device)
             if kv_cache_dtype != "auto":
-                raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is served by the CPU backend only for now (the "
-                                 "CUDA attention kernels read bfloat16 K/V): leave it out, or use --device cpu")
+                raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is served by the numpy backend only for now (the "
+                                 "CUDA attention kernels read bfloat16 K/V): leave it out, or use --device numpy")
             return CudaBackend(config, weights, cuda_graphs=cuda_graphs, batch_invariant=batch_invariant)
         if device == "cuda":
             raise RuntimeError(f"--device cuda, but {reason}; use --device cpu or auto")
-        log.info("device auto: using the numpy backend on the CPU (%s)", reason)
+        if kv_cache_dtype == "auto":
+            from engine.backends.cpu.kernels import CompilerMissing
+
+            try:
+                return _cpu_backend(config, weights, threads, f"device auto: {reason}, so")
+            except CompilerMissing as e:
+                log.warning("device auto: using the numpy backend (%s; and %s)", reason, e)
+    if device == "cpu":
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is served by the numpy backend only for now: leave "
+                             "it out, or use --device numpy")
+        return _cpu_backend(config, weights, threads, "device cpu:")
     from engine.backends.numpy_backend import NumpyBackend
 
+    log.info("device %s: using the numpy backend (float32, the reference)", device)
     return NumpyBackend(config, weights, kv_cache_dtype)
+
+
+def _cpu_backend(config: ModelConfig, weights: ModelWeights, threads: int | None, why: str) -> Backend:
+    from engine.backends.cpu.backend import CpuBackend, available_cores
+
+    threads = threads or available_cores()
+    log.info("%s using the CPU backend on %d threads", why, threads)
+    return CpuBackend(config, weights, threads=threads)

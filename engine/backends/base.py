@@ -23,7 +23,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 class Backend(Protocol):
-    name: str  # "numpy" or "cuda"
+    name: str  # "numpy", "cpu" or "cuda"
     weight_dtype: str  # what it computes with the weights in: "float32", "bfloat16"
     weight_bytes: int  # the weights as it holds them
     kv_cache_dtype: str

@@ -151,17 +151,20 @@ class NumpyBackend:
         self._kv_type = np.dtype(np.uint8 if self.fp8_kv else np.float32)
         self.config = config
         self.architecture = architecture_of(config)
+        self.inv_freq = config.rope_inv_freq()
+        self.block_size = 0
+        self.k_cache: list[np.ndarray] = []
+        self.v_cache: list[np.ndarray] = []
+        self._sampled: dict[Sequence, int] = {}  # the last step's tokens, for the pending ones
+        self._hold_weights(weights)
+
+    def _hold_weights(self, weights: ModelWeights) -> None:
         self.embed = weights.embed.float32()
         self.lm_head = weights.lm_head.float32()
         self.final_norm = weights.final_norm.float32()
         self.layers = [{name: t.float32() for name, t in layer.items()} for layer in weights.layers]
         held = [self.embed, self.lm_head, self.final_norm] + [a for layer in self.layers for a in layer.values()]
         self.weight_bytes = sum({id(a): a.nbytes for a in held}.values())  # (a tied head is the embedding)
-        self.inv_freq = config.rope_inv_freq()
-        self.block_size = 0
-        self.k_cache: list[np.ndarray] = []
-        self.v_cache: list[np.ndarray] = []
-        self._sampled: dict[Sequence, int] = {}  # the last step's tokens, for the pending ones
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.config
@@ -190,13 +193,20 @@ class NumpyBackend:
         """Run the scheduled tokens; return logits [sampling sequences, vocab] (or of
         every token of the batch: perplexity)."""
         ids = np.concatenate([self._tokens(s) for s in batch])
-        ops = _StepOps(self, batch, self.embed[ids])
+        ops = self._step_ops(batch, ids)
         for i in range(self.config.num_layers):
             ops.at_layer(i)
             self.architecture.layer(ops)
         rows = (slice(None) if every_token else
                 [ops.bounds[i + 1] - 1 for i, s in enumerate(batch) if s.samples])
-        return rms_norm(ops.residual[rows], self.final_norm, self.config.rms_norm_eps) @ self.lm_head.T
+        return self._logits(ops.residual[rows])
+
+    def _step_ops(self, batch: list[ScheduledSeq], ids: np.ndarray) -> _StepOps:
+        return _StepOps(self, batch, self.embed[ids])
+
+    def _logits(self, hidden: np.ndarray) -> np.ndarray:
+        """The head's logits of the final hidden states [rows, hidden]."""
+        return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps) @ self.lm_head.T
 
     def _tokens(self, s: ScheduledSeq) -> list[int]:
         """The step's input tokens; a pending one is the one this backend sampled last step."""

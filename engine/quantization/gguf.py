@@ -1,14 +1,17 @@
-"""GGUF's block-quantized weights kept as stored (Q4_0, Q4_1, Q8_0): blocks of 32
-weights along a row, each with a float16 scale (and Q4_1 a float16 minimum).
+"""GGUF's block-quantized weights kept as stored (Q4_0, Q4_1, Q8_0, Q4_K): blocks of
+32 weights along a row, each with a float16 scale (and Q4_1 a float16 minimum).
 
     Q4_0: d, 16 bytes of nibbles            w = d * (q - 8)
     Q4_1: d, m, 16 bytes of nibbles         w = d * q + m
     Q8_0: d, 32 signed bytes                w = d * q
 
 A block's byte j holds weight j in its low nibble and weight j + 16 in its high one.
-Dequantized by the gguf package (what llama.cpp's converter ships) for the backends;
-kept as stored so that the model says what it is (ModelInfo's weight_format) and a
-kernel of the CPU's can read the blocks themselves."""
+Q4_K groups eight such blocks in 144 bytes: float16 d and dmin, 6-bit scales and mins
+(sc, mn) per block, and 128 bytes of nibbles where each 32 hold one block in their low
+nibbles and the next in their high ones; w = d * sc * q - dmin * mn.
+
+Dequantized by the gguf package (what llama.cpp's converter ships) for the numpy and
+CUDA backends; the CPU backend's kernels read the blocks themselves."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from gguf import GGMLQuantizationType, dequantize
 
 from engine.quantization.base import QuantizedWeight
 
-KEPT = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+KEPT = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K)
 
 
 @dataclass(frozen=True)

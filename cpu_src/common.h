@@ -1,0 +1,47 @@
+// Shared by the CPU kernels: the x86-64 vector helpers they are written with.
+//
+// The kernels need AVX2, FMA and F16C (x86-64-v3); the integer dot products use
+// AVX-512 VNNI or AVX-VNNI where the CPU has them (one instruction), and two AVX2
+// instructions where it does not. They are compiled for the CPU they run on
+// (-march=native), so the choice is made by the compiler's predefined macros.
+#pragma once
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "the CPU kernels need AVX2, FMA and F16C"
+#endif
+
+#define BLOCK 32  // weights (and activations) that share one scale
+
+// The threads each parallel region runs on (set_threads); the thread that calls a
+// kernel is one of them.
+extern int threads;
+
+// acc + the sums of each pair of adjacent int16 products (one instruction with VNNI).
+static inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}

@@ -1,0 +1,146 @@
+// The rest of a decoder layer in float32, as the numpy reference computes it
+// (engine/backends/numpy_backend.py names each function's counterpart).
+#include <omp.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+// e^x for each lane: 2^n * e^r with n = round(x / ln 2) and |r| <= ln(2) / 2, e^r by
+// its Taylor polynomial to degree 7 (relative error below 2e-7, as expf's).
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts, for an exact r
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// rms_norm: out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps); d a multiple of 8
+void rms_norm(float *out, const float *x, const float *weight, int rows, int d, float eps) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * d;
+        __m256 ss = _mm256_setzero_ps();
+        for (int i = 0; i < d; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(ss) / d + eps));
+        for (int i = 0; i < d; i += 8)
+            _mm256_storeu_ps(out + (size_t)r * d + i,
+                             _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), inv)));
+    }
+}
+
+// y += x, n floats
+void add_to(float *y, const float *x, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(x + i)));
+    for (; i < n; i++) y[i] += x[i];
+}
+
+// silu_and_mul: out[r, i] = silu(gate) * up for gate_up[r] = [gate | up], `inter` each
+// (a multiple of 8)
+void silu_and_mul(float *out, const float *gate_up, int rows, int inter) {
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + (size_t)r * 2 * inter, *u = g + inter;
+        for (int i = 0; i < inter; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(out + (size_t)r * inter + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+    }
+}
+
+// apply_rope in place on `heads` heads of dim d at x (row stride ldx), "rotate half":
+// the pair (x[i], x[i + d/2]) turns by the angle whose cos and sin are given per row.
+static void rope_heads(float *x, int ldx, int rows, int heads, int d, const float *cos, const float *sin) {
+    const int half = d / 2;
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++) {
+            float *v = x + (size_t)r * ldx + h * d;
+            const float *c = cos + (size_t)r * half, *s = sin + (size_t)r * half;
+            for (int i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i] + a * s[i];
+            }
+        }
+}
+
+// rope_and_cache: rotate the query and key heads of qkv [rows, (heads + 2 kv_heads) d]
+// in place, then copy each row's K and V to its cache slot ([slots, kv_heads, d] caches).
+void rope_and_cache(float *qkv, int rows, int heads, int kv_heads, int d, const float *cos, const float *sin,
+                    const int64_t *slots, float *k_cache, float *v_cache) {
+    const int ld = (heads + 2 * kv_heads) * d, kv = kv_heads * d;
+    rope_heads(qkv, ld, rows, heads + kv_heads, d, cos, sin);
+    for (int r = 0; r < rows; r++) {
+        const float *k = qkv + (size_t)r * ld + heads * d;
+        memcpy(k_cache + slots[r] * kv, k, kv * sizeof(float));
+        memcpy(v_cache + slots[r] * kv, k + kv, kv * sizeof(float));
+    }
+}
+
+// paged_attention of every sequence of a step. Sequence s has n[s] query rows from row
+// q_row[s] of qkv (its positions start[s]..), and the cache slots of its positions
+// 0..start[s]+n[s]-1 at slots + slot_at[s]. out [rows, heads * d]. The work is shared
+// out by (sequence, kv head); each query head of a group reads the same keys.
+void attention(float *out, const float *qkv, int heads, int kv_heads, int d, int num_seqs, const int *q_row,
+               const int *n, const int *start, const int64_t *slots, const int64_t *slot_at, const float *k_cache,
+               const float *v_cache, float scale) {
+    const int ld = (heads + 2 * kv_heads) * d, kv = kv_heads * d, group = heads / kv_heads;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = NULL;
+        int capacity = 0;
+#pragma omp for schedule(dynamic)
+        for (int task = 0; task < num_seqs * kv_heads; task++) {
+            const int s = task / kv_heads, g = task % kv_heads;
+            const int ctx = start[s] + n[s];
+            const int64_t *sl = slots + slot_at[s];
+            if (ctx > capacity) {
+                free(scores);
+                capacity = ctx;
+                scores = malloc(sizeof(float) * capacity);
+            }
+            for (int t = 0; t < n[s]; t++) {
+                const int visible = start[s] + t + 1;  // causal: positions 0..start + t
+                for (int h = g * group; h < (g + 1) * group; h++) {
+                    const float *q = qkv + (size_t)(q_row[s] + t) * ld + h * d;
+                    float top = -INFINITY;
+                    for (int j = 0; j < visible; j++) {
+                        const float *k = k_cache + sl[j] * kv + g * d;
+                        __m256 acc = _mm256_setzero_ps();
+                        for (int i = 0; i < d; i += 8)
+                            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+                        scores[j] = hsum(acc) * scale;
+                        top = fmaxf(top, scores[j]);
+                    }
+                    float total = 0.0f;
+                    for (int j = 0; j < visible; j++) {
+                        scores[j] = expf(scores[j] - top);
+                        total += scores[j];
+                    }
+                    float *o = out + (size_t)(q_row[s] + t) * heads * d + h * d;
+                    for (int i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
+                    for (int j = 0; j < visible; j++) {
+                        const float *v = v_cache + sl[j] * kv + g * d;
+                        const __m256 p = _mm256_set1_ps(scores[j] / total);
+                        for (int i = 0; i < d; i += 8)
+                            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+                    }
+                }
+            }
+        }
+        free(scores);
+    }
+}

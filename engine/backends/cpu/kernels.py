@@ -1,0 +1,102 @@
+"""The kernels of cpu_src/ as Python sees them: compiled once for this CPU by the C
+compiler (-O3 -march=native, OpenMP), cached, and each bound with its argument types.
+
+The library is cached under $XDG_CACHE_HOME/llamastream (~/.cache/llamastream), named
+by a hash of the sources, the compiler's version and flags and this CPU's model: a new
+CPU or a changed kernel compiles again, anything else loads in milliseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+CPU_SRC = Path(__file__).resolve().parents[3] / "cpu_src"
+SOURCES = ("linear.c", "layer.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+COMPILER = os.environ.get("CC", "cc")
+
+log = logging.getLogger("llamastream.engine")
+
+P, I, F, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
+SIGNATURES = {  # function: argument types (as in cpu_src/)
+    "quantize_rows": (P, I, I, I, I, P, P, P, P),
+    "linear_q": (P, I, P, P, P, I, I, P, P, P, I, I),
+    "linear_float": (P, I, P, I, I, I, P, I, P, I, I),
+    "rms_norm": (P, P, P, I, I, F),
+    "add_to": (P, P, Z),
+    "silu_and_mul": (P, P, I, I),
+    "rope_and_cache": (P, I, I, I, I, P, P, P, P, P),
+    "attention": (P, P, I, I, I, I, P, P, P, P, P, P, P, F),
+}
+
+
+class CompilerMissing(RuntimeError):
+    """The CPU kernels cannot be built here (no C compiler, or a CPU they do not serve)."""
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _library_path() -> Path:
+    compiler = shutil.which(COMPILER)
+    if compiler is None:
+        raise CompilerMissing(f"no C compiler ({COMPILER}) is on PATH: install gcc (apt-get install gcc), or set CC")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in [version, " ".join(FLAGS), _cpu_model()] + [(CPU_SRC / f).read_text() for f in SOURCES + ("common.h",)]:
+        digest.update(part.encode())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llamastream"
+    return cache / f"cpu-kernels-{digest.hexdigest()[:16]}.so"
+
+
+def _compile(target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("compiling the CPU kernels for this CPU (once; cached as %s) ...", target)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([COMPILER, *FLAGS, "-o", str(built), *(str(CPU_SRC / f) for f in SOURCES)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise CompilerMissing(f"the CPU kernels did not compile with {COMPILER}: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # (atomic: concurrent starts each build, one wins)
+    log.info("compiled the CPU kernels in %.1f s", time.perf_counter() - started)
+
+
+class CpuKernels:
+    """cpu_src/'s functions, each an attribute of its name taking addresses and numbers."""
+
+    def __init__(self, threads: int):
+        path = _library_path()
+        if not path.exists():
+            _compile(path)
+        self.library = ctypes.CDLL(str(path))
+        for name, argtypes in SIGNATURES.items():
+            fn = getattr(self.library, name)
+            fn.argtypes, fn.restype = argtypes, None
+            setattr(self, name, fn)
+        self.threads = threads
+        self.library.set_threads(threads)
+
+
+def addr(a: np.ndarray | None) -> int | None:
+    """A C pointer to an array's first element (None for a null pointer)."""
+    return None if a is None else a.__array_interface__["data"][0]

@@ -1,0 +1,187 @@
+"""Linear weights in the forms the CPU kernels read (cpu_src/linear.c), repacked at
+load from every format a checkpoint holds, never widened to float32:
+
+- u4: GGUF Q4_0, Q4_1 and Q4_K, and the INT4 checkpoints (AWQ, GPTQ, compressed-tensors
+  pack-quantized): a nibble a weight, and per block of 32 a scale d and an offset m,
+  w = d * q + m (float32, exact for every one of these formats).
+- u8: GGUF Q8_0, as w = d * (q + 128) - 128 d.
+- float: bfloat16, float16 and float32 as they are; FP8 e4m3 with its scales (per
+  tensor, row or 128-column block) as a scale per row and group of columns.
+
+The products of u4 and u8 quantize the activations to int16 in blocks of 32 first (the
+kernels' comment says how); float ones multiply in float32 like the numpy reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from gguf import GGMLQuantizationType as GGML
+from gguf.quants import Q4_K
+
+from engine.backends.cpu.kernels import CpuKernels, addr
+from engine.quantization.fp8 import Fp8Weight
+from engine.quantization.gguf import GgufWeight
+from engine.quantization.int4 import Int4Weight
+from engine.weights import Tensor
+
+BLOCK = 32
+FLOAT_KINDS = {"f32": 0, "bf16": 1, "f16": 2, "e4m3": 3}  # as cpu_src/linear.c's enum
+E4M3_AS_F16 = 256.0  # linear.c reads an e4m3 byte as a float16 of its value / 256
+
+
+@dataclass(frozen=True)
+class CpuLinear:
+    """A weight [n, k] as one of the kernels' forms. u4/u8: codes, and d and m per block
+    of 32, over kp >= k columns (zero blocks pad a row to the kernel's width). float:
+    codes in `kind`, and `scale` per row and group of `group` columns (or None).
+    `perm`: the input column each of kp reads, where a checkpoint reordered them."""
+
+    form: str  # "u4", "u8" or "float"
+    codes: np.ndarray
+    n: int
+    k: int
+    kp: int
+    d: np.ndarray | None = None
+    m: np.ndarray | None = None
+    kind: str = "f32"
+    scale: np.ndarray | None = None
+    group: int = 0
+    perm: np.ndarray | None = None
+    pointers: tuple = field(init=False, repr=False, compare=False)  # the arrays' addresses, as multiply reads them
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.codes, self.d, self.m, self.scale) if a is not None)
+
+    @property
+    def dtype(self) -> str:
+        """What the kernels multiply by, as ModelInfo says it."""
+        return {"u4": "int4", "u8": "int8"}.get(self.form) or {"e4m3": "fp8_e4m3", "bf16": "bfloat16",
+                                                              "f16": "float16"}.get(self.kind, "float32")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pointers", tuple(addr(a) for a in (self.codes, self.d, self.m, self.scale, self.perm)))
+
+    def multiply(self, kernels: CpuKernels, y: int, x: int, ldx: int, rows: int, scratch: "QuantizedRows") -> None:
+        """y [rows, n] = x [rows, k] (row stride ldx) @ w^T, float32 at those addresses;
+        `scratch` holds x quantized (u4, u8)."""
+        codes, d, m, scale, perm = self.pointers
+        if self.form == "float":
+            kernels.linear_float(y, self.n, x, ldx, rows, self.k, codes, FLOAT_KINDS[self.kind], scale, self.group,
+                                 self.n)
+            return
+        kernels.quantize_rows(x, ldx, rows, self.k, self.kp, perm, scratch.xq, scratch.sx, scratch.xs)
+        kernels.linear_q(y, self.n, scratch.xq, scratch.sx, scratch.xs, rows, self.kp, codes, d, m, self.n,
+                         4 if self.form == "u4" else 8)
+
+    def __call__(self, kernels: CpuKernels, x: np.ndarray) -> np.ndarray:
+        """x [rows, k] float32 @ w^T: [rows, n] float32."""
+        x = np.ascontiguousarray(x, np.float32)
+        y = np.empty((len(x), self.n), np.float32)
+        self.multiply(kernels, addr(y), addr(x), self.k, len(x), QuantizedRows(len(x), self.kp))
+        return y
+
+
+class QuantizedRows:
+    """Room for `rows` activation rows of up to `columns` quantized (linear.c's quantize_rows)."""
+
+    def __init__(self, rows: int, columns: int):
+        self.arrays = (np.empty(rows * columns, np.int16), np.empty(rows * columns // BLOCK, np.float32),
+                       np.empty(rows * columns // BLOCK, np.float32))
+        self.xq, self.sx, self.xs = (addr(a) for a in self.arrays)
+
+
+def repack(weight) -> CpuLinear:
+    """A checkpoint's linear weight (a Tensor or a QuantizedWeight) in a kernel's form."""
+    if isinstance(weight, GgufWeight):
+        return _from_gguf(weight)
+    if isinstance(weight, Int4Weight):
+        return _from_int4(weight)
+    if isinstance(weight, Fp8Weight):
+        return _from_fp8(weight)
+    if isinstance(weight, Tensor) and weight.format in ("f32", "bf16") and weight.shape[1] % 8 == 0:
+        return _float(weight.data, weight.format)
+    return _float(np.ascontiguousarray(weight.float32(), np.float32), "f32")
+
+
+def _float(codes: np.ndarray, kind: str, scale: np.ndarray | None = None, group: int = 0) -> CpuLinear:
+    n, k = codes.shape
+    if k % 8 or (group and group % 8):  # (the kernel reads eight columns at a time)
+        raise ValueError(f"the CPU kernels read weights of a multiple of 8 columns (in groups of as many), not {k} "
+                         f"(groups of {group or k}): serve this model with --device numpy")
+    return CpuLinear("float", np.ascontiguousarray(codes), n, k, k, kind=kind, scale=scale, group=group or k)
+
+
+def _blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int, k: int, perm: np.ndarray | None = None) -> CpuLinear:
+    """u4 or u8 from q [n, blocks, 32] (0..15 or 0..255), d and m [n, blocks]."""
+    n, blocks, _ = q.shape
+    if bits == 4 and blocks % 2:  # (u4 pairs blocks: a zero block completes the last pair)
+        q = np.concatenate([q, np.zeros((n, 1, BLOCK), np.uint8)], axis=1)
+        d, m = (np.concatenate([a, np.zeros((n, 1), np.float32)], axis=1) for a in (d, m))
+        blocks += 1
+    if bits == 4:
+        pairs = q.reshape(n, blocks // 2, 2, BLOCK)
+        codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, blocks * BLOCK // 2)
+    else:
+        codes = q.reshape(n, blocks * BLOCK)
+    return CpuLinear(f"u{bits}", np.ascontiguousarray(codes, np.uint8), n, k, blocks * BLOCK,
+                     d=np.ascontiguousarray(d, np.float32), m=np.ascontiguousarray(m, np.float32), perm=perm)
+
+
+def _from_gguf(w: GgufWeight) -> CpuLinear:
+    n, k = w.shape
+    raw = w.blocks.reshape(n, -1, w.blocks.shape[1] // _gguf_blocks(w))
+    f16 = lambda a: a.copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    if w.kind == GGML.Q8_0:
+        d = f16(raw[..., 0:2])
+        q = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return _blocks(q, d, -128 * d, 8, k)
+    if w.kind in (GGML.Q4_0, GGML.Q4_1):
+        d = f16(raw[..., 0:2])
+        m = -8 * d if w.kind == GGML.Q4_0 else f16(raw[..., 2:4])
+        packed = raw[..., -16:]  # byte j: weight j (low nibble), weight j + 16 (high)
+        q = np.concatenate([packed & 0xF, packed >> 4], axis=-1)
+        return _blocks(q, d, m, 4, k)
+    if w.kind == GGML.Q4_K:  # super-blocks of 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
+        supers = raw.reshape(-1, raw.shape[-1])
+        d, dmin = f16(supers[:, 0:2])[:, None], f16(supers[:, 2:4])[:, None]
+        sc, mn = Q4_K.get_scale_min(supers[:, 4:16])
+        packed = supers[:, 16:].reshape(-1, 4, BLOCK)  # chunk c: sub-block 2c low, 2c + 1 high (u4's own order)
+        q = np.stack([packed & 0xF, packed >> 4], axis=2).reshape(n, -1, BLOCK)
+        return _blocks(q, (d * sc).reshape(n, -1), (-dmin * mn).reshape(n, -1), 4, k)
+    raise ValueError(f"no CPU kernel reads GGUF {w.kind.name}")
+
+
+def _gguf_blocks(w: GgufWeight) -> int:
+    """Blocks a row (of 32 weights, or of 256 for the K-quants)."""
+    return w.columns // (256 if w.kind == GGML.Q4_K else BLOCK)
+
+
+def _from_int4(w: Int4Weight) -> CpuLinear:
+    n, k = w.shape
+    perm = None
+    group = w.group
+    if np.any(np.diff(group) < 0):  # act-order: the columns read in group order
+        perm = np.argsort(group, kind="stable").astype(np.int32)
+        group = group[perm]
+    padded = -(-k // BLOCK) * BLOCK
+    block_group = np.pad(group, (0, padded - k), mode="edge").reshape(-1, BLOCK)
+    if np.any(block_group != block_group[:, :1]):
+        return _float(np.ascontiguousarray(w.float32(), np.float32), "f32")  # (groups not whole blocks of 32)
+    codes = w.codes if perm is None else w.codes[:, perm]
+    q = np.pad(codes, ((0, 0), (0, padded - k))).reshape(n, -1, BLOCK)
+    g = block_group[:, 0]
+    d = w.scale[:, g]
+    return _blocks(q, d, -d * w.zero[:, g].astype(np.float32), 4, k, perm)
+
+
+def _from_fp8(w: Fp8Weight) -> CpuLinear:
+    n, k = w.shape
+    if w.block is None:  # per tensor or per row: one group of every column
+        scale = np.broadcast_to(w.scale, (n, 1))
+        return _float(w.codes, "e4m3", np.ascontiguousarray(scale * E4M3_AS_F16, np.float32), k)
+    rows, cols = w.block
+    scale = np.repeat(w.scale, rows, axis=0)[:n]
+    return _float(w.codes, "e4m3", np.ascontiguousarray(scale * E4M3_AS_F16, np.float32), cols)

@@ -1,0 +1,232 @@
+"""The CPU backend (cpu_src/ compiled) against the numpy backend, its oracle.
+
+Tolerances: a quantized product (u4, u8) quantizes the activations to int16 per block
+of 32, so each output is within about 1e-5 of the product by the dequantized weights
+(bounded here by 2e-4 of the output's largest magnitude); float products and the other
+ops differ from numpy's only in the order of float32 sums (1e-5). On SmolLM2 the
+logits stay within 0.02 of the numpy backend's (measured 0.009; logits ~25).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GGML
+from gguf import quantize
+
+from engine.backends import create_backend
+from engine.backends import numpy_backend as ref
+from engine.backends.cpu.backend import CpuBackend
+from engine.backends.cpu.kernels import CpuKernels, addr
+from engine.backends.cpu.weights import repack
+from engine.quantization.fp8 import Fp8Weight, f32_to_e4m3
+from engine.quantization.gguf import GgufWeight
+from engine.quantization.int4 import Int4Weight
+from engine.sampling_params import SamplingParams
+from engine.weights import Tensor, f32_to_bf16_bits
+from tests.conftest import FIXTURES, greedy, make_engine, run, text, tokens
+
+rng = np.random.default_rng(0)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    return CpuKernels(threads=2)
+
+
+def _gguf(w: np.ndarray, kind: GGML) -> GgufWeight:
+    return GgufWeight(quantize(w, kind), kind, w.shape[1])
+
+
+def _q4_k(rows: int, columns: int) -> GgufWeight:
+    """Random Q4_K blocks (gguf quantizes no K-quant): any scale, min and nibble bytes are valid."""
+    blocks = rng.integers(0, 256, (rows, columns // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = np.array([0.002], np.float16).view(np.uint8)
+    blocks[..., 2:4] = np.array([0.001], np.float16).view(np.uint8)
+    return GgufWeight(blocks.reshape(rows, -1), GGML.Q4_K, columns)
+
+
+def _int4(rows: int, columns: int, group: int, act_order: bool) -> Int4Weight:
+    groups = columns // group
+    g = np.repeat(np.arange(groups, dtype=np.int32), group)
+    if act_order:  # the groups of columns as GPTQ's desc_act leaves them: interleaved
+        g = g[rng.permutation(columns)]
+    return Int4Weight(rng.integers(0, 16, (rows, columns), dtype=np.uint8),
+                      rng.uniform(0.001, 0.02, (rows, groups)).astype(np.float32),
+                      rng.integers(0, 16, (rows, groups), dtype=np.uint8), g)
+
+
+def _fp8_blocks(w: np.ndarray) -> Fp8Weight:
+    """Hugging Face's fp8: a scale per 128 x 128 block."""
+    n, k = w.shape
+    scale = rng.uniform(0.5, 2.0, (-(-n // 128), -(-k // 128))).astype(np.float32) / 448
+    per_weight = np.repeat(np.repeat(scale, 128, 0), 128, 1)[:n, :k]
+    return Fp8Weight(f32_to_e4m3(w / per_weight), scale, (128, 128))
+
+
+def weights_of_every_form(n: int, k: int) -> dict[str, object]:
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    fp8_tensor = Fp8Weight.quantize(w)
+    return {
+        "f32": Tensor.of(w), "bf16": Tensor(f32_to_bf16_bits(w), "bf16"),
+        "q4_0": _gguf(w, GGML.Q4_0), "q4_1": _gguf(w, GGML.Q4_1), "q8_0": _gguf(w, GGML.Q8_0), "q4_k": _q4_k(n, k),
+        "int4 g128": _int4(n, k, 128, act_order=False), "int4 g32 act-order": _int4(n, k, 32, act_order=True),
+        "int4 g64 act-order": _int4(n, k, 64, act_order=True),
+        "fp8 per row": Fp8Weight.quantize(w), "fp8 per tensor": Fp8Weight(fp8_tensor.codes, fp8_tensor.scale[:1] * 1.5),
+        "fp8 blocks": _fp8_blocks(w),
+    }
+
+
+@pytest.mark.parametrize("n, k", [(96, 512), (40, 768), (24, 256)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_every_weight_form_multiplies_as_its_dequantized_weights(kernels, n, k, rows):
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    for name, weight in weights_of_every_form(n, k).items():
+        linear = repack(weight)
+        expected = x @ weight.float32().T
+        got = linear(kernels, x)
+        err = np.abs(got - expected).max() / np.abs(expected).max()
+        bound = 2e-4 if linear.form in ("u4", "u8") else 1e-5
+        assert err < bound, f"{name} ({linear.form}): relative error {err:.1e}"
+
+
+def test_gguf_rows_of_an_odd_number_of_blocks_are_padded(kernels):
+    w = rng.standard_normal((16, 160)).astype(np.float32)  # 5 blocks: u4 pairs them, so a zero block is added
+    weight = _gguf(w, GGML.Q4_1)
+    linear = repack(weight)
+    assert (linear.form, linear.kp) == ("u4", 192)
+    x = rng.standard_normal((2, 160)).astype(np.float32)
+    np.testing.assert_allclose(linear(kernels, x), x @ weight.float32().T, atol=2e-4 * np.abs(x @ w.T).max())
+
+
+def test_quantized_forms_hold_the_stored_bytes_not_float32():
+    w = rng.standard_normal((64, 512)).astype(np.float32)
+    assert repack(_gguf(w, GGML.Q4_1)).nbytes == 64 * 512 * 3 // 4  # a nibble a weight, two float32 a block
+    assert repack(_gguf(w, GGML.Q8_0)).nbytes == 64 * 512 * 5 // 4
+    assert repack(Fp8Weight.quantize(w)).nbytes == 64 * 512 + 64 * 4
+
+
+def test_layer_ops_match_the_numpy_reference(kernels):
+    x, w = rng.standard_normal((5, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+    out = np.empty_like(x)
+    kernels.rms_norm(addr(out), addr(x), addr(w), 5, 64, 1e-5)
+    np.testing.assert_allclose(out, ref.rms_norm(x, w, 1e-5), atol=1e-5)
+
+    gate_up = rng.standard_normal((5, 96)).astype(np.float32) * 6
+    out = np.empty((5, 48), np.float32)
+    kernels.silu_and_mul(addr(out), addr(gate_up), 5, 48)
+    np.testing.assert_allclose(out, ref.silu_and_mul(gate_up), rtol=1e-6, atol=1e-5)
+
+    y, delta = rng.standard_normal(37).astype(np.float32), rng.standard_normal(37).astype(np.float32)
+    expected = y + delta
+    kernels.add_to(addr(y), addr(delta), 37)
+    np.testing.assert_array_equal(y, expected)
+
+
+def test_rope_and_cache_and_paged_attention_match_the_numpy_reference(kernels):
+    """Two sequences in one step: one decoding at position 9, one prefilling positions 4..8
+    after 4 cached tokens; grouped-query heads (8 over 2), cache slots scattered."""
+    heads, kv_heads, dim = 8, 2, 16
+    inv_freq = (1.0 / 10000 ** (np.arange(0, dim, 2) / dim)).astype(np.float32)
+    k_cache = rng.standard_normal((64, kv_heads, dim)).astype(np.float32)
+    v_cache = rng.standard_normal((64, kv_heads, dim)).astype(np.float32)
+    seqs = [(9, 1, rng.permutation(64)[:10]), (4, 5, rng.permutation(64)[:9])]  # (start, tokens, slots of 0..end)
+    seqs[1] = (4, 5, np.setdiff1d(rng.permutation(64), seqs[0][2])[:9])
+    positions = np.concatenate([np.arange(s, s + n) for s, n, _ in seqs])
+    new_slots = np.concatenate([slots[s:] for s, _, slots in seqs]).astype(np.int64)
+    qkv = rng.standard_normal((len(positions), (heads + 2 * kv_heads) * dim)).astype(np.float32)
+    cos, sin = ref.rope_cos_sin(positions, inv_freq)
+
+    # the reference, on copies
+    q = ref.apply_rope(qkv[:, : heads * dim].reshape(-1, heads, dim), cos, sin)
+    k = ref.apply_rope(qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(-1, kv_heads, dim), cos, sin)
+    k_ref, v_ref = k_cache.copy(), v_cache.copy()
+    k_ref[new_slots], v_ref[new_slots] = k, qkv[:, (heads + kv_heads) * dim :].reshape(-1, kv_heads, dim)
+    bounds = np.cumsum([0] + [n for _, n, _ in seqs])
+    expected = np.concatenate([ref.paged_attention(q[bounds[i] : bounds[i + 1]], k_ref, v_ref, slots, s, dim ** -0.5)
+                               for i, (s, _, slots) in enumerate(seqs)])
+
+    cos, sin = np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+    kernels.rope_and_cache(addr(qkv), len(positions), heads, kv_heads, dim, addr(cos), addr(sin), addr(new_slots),
+                           addr(k_cache), addr(v_cache))
+    np.testing.assert_allclose(qkv[:, : heads * dim], q.reshape(len(q), -1), atol=1e-6)
+    np.testing.assert_array_equal(k_cache, k_ref)
+    np.testing.assert_array_equal(v_cache, v_ref)
+
+    out = np.empty((len(positions), heads * dim), np.float32)
+    args = [np.array(a, dtype) for a, dtype in (
+        (bounds[:-1], np.int32), ([n for _, n, _ in seqs], np.int32), ([s for s, _, _ in seqs], np.int32),
+        (np.concatenate([slots for *_, slots in seqs]), np.int64), ([0, len(seqs[0][2])], np.int64))]
+    kernels.attention(addr(out), addr(qkv), heads, kv_heads, dim, len(seqs), *(addr(a) for a in args), addr(k_cache),
+                      addr(v_cache), dim ** -0.5)
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+
+
+def cpu_engine(model, **config):
+    from engine.llm_engine import EngineConfig, LLMEngine
+
+    config.setdefault("num_kv_blocks", 256)
+    return LLMEngine(model, CpuBackend(model.config, model.model_weights(), threads=2), EngineConfig(**config))
+
+
+def test_smollm2_from_its_gguf_gives_the_numpy_backends_greedy_tokens(smollm2):
+    """32 greedy steps on each golden prompt, batched, on the Q4_1/Q8_0 blocks as stored."""
+    golden = np.load(FIXTURES / "smollm2_golden.npz")
+    prompts = [golden[f"ids_{i}"].tolist() for i in range(len(golden["names"]))]
+    results = {}
+    for name, engine in (("numpy", make_engine(smollm2)), ("cpu", cpu_engine(smollm2))):
+        assert (engine.backend.name, engine.backend.weight_dtype) == (name, "float32" if name == "numpy" else "int4+int8")
+        outputs = run(engine, [engine.make_sequence(f"r{i}", p, greedy(32)) for i, p in enumerate(prompts)])
+        results[name] = [tokens(outputs[f"r{i}"]) for i in range(len(prompts))]
+    assert results["cpu"] == results["numpy"]
+
+
+def test_smollm2_logits_stay_near_the_numpy_backends(smollm2):
+    from devtools.probes import our_logits
+
+    ids = smollm2.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])[0]
+    cpu, numpy = (our_logits(engine, ids) for engine in (cpu_engine(smollm2), make_engine(smollm2)))
+    assert np.abs(cpu - numpy).max() < 0.02
+
+
+def test_smollm2_answers_paris(smollm2):
+    engine = cpu_engine(smollm2)
+    ids = smollm2.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])[0]
+    outputs = run(engine, [engine.make_sequence("q", ids, SamplingParams(temperature=0.0, max_tokens=12))])
+    assert "Paris" in text(outputs["q"])
+
+
+def test_the_kernels_compile_once_and_load_from_the_cache(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="llamastream.engine"):
+        CpuKernels(threads=1)
+        assert "compiled the CPU kernels in" in caplog.text
+        caplog.clear()
+        CpuKernels(threads=1)
+    assert "compil" not in caplog.text
+    assert len(list((tmp_path / "llamastream").glob("cpu-kernels-*.so"))) == 1
+
+
+def test_auto_takes_the_cpu_backend_without_a_gpu_and_numpy_without_a_compiler(tiny_model, monkeypatch, tmp_path, caplog):
+    weights = tiny_model.model_weights()
+    assert create_backend("auto", tiny_model.config, weights, threads=1).name == "cpu"
+    assert create_backend("numpy", tiny_model.config, weights).name == "numpy"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # (nothing cached there: it must compile)
+    monkeypatch.setattr("engine.backends.cpu.kernels.COMPILER", "no-such-cc")
+    with caplog.at_level(logging.WARNING, logger="llamastream.engine"):
+        assert create_backend("auto", tiny_model.config, weights).name == "numpy"
+    assert "no C compiler (no-such-cc) is on PATH" in caplog.text
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        create_backend("cpu", tiny_model.config, weights)
+
+
+def test_tiny_models_on_the_cpu_backend_match_numpy(tiny_model, tiny_qwen3):
+    for model in (tiny_model, tiny_qwen3):
+        prompts = [[1, 5, 9, 2], list(range(3, 40))]
+        results = []
+        for engine in (make_engine(model), cpu_engine(model)):
+            outputs = run(engine, [engine.make_sequence(f"r{i}", p, greedy(16)) for i, p in enumerate(prompts)])
+            results.append([tokens(outputs[f"r{i}"]) for i in range(len(prompts))])
+        assert results[0] == results[1], model.name
