@@ -1,7 +1,7 @@
 """CPU decode throughput: llamastream's CPU backends beside llama.cpp and Hugging Face
 transformers, on the same GGUF files, the same prompts and the same cores, in one run:
 
-    python bench/cpu_decode.py [--backends numpy,cpu] [--new-tokens 128]
+    python bench/cpu_decode.py [--backends numpy,cpu] [--new-tokens 128] [--repeats 3]
                                [--llama-cpp-python .venv-bench/bin/python]
 
 (`make bench-cpu` builds llama-cpp-python into .venv-bench and runs this with it.) The
@@ -10,11 +10,14 @@ Llama 3.2 1B-shaped model in Q8_0 and in Q4_0 at batch 1 (devtools/gguf_models.p
 them into --models-dir on first use, about a minute each).
 
 Every engine generates exactly --new-tokens greedy tokens per sequence (eos ignored);
-tokens/s counts them over the wall time of the whole generation, prefill included,
-after a warm-up run of a few tokens. llamastream runs each backend --backends names
-(engine.backends.create_backend), in this process; llama.cpp runs in a process of its
-own (bench/llama_cpp_decode.py) with --threads threads; transformers runs in float32,
-dequantizing the GGUF, where torch is installed. A column an engine cannot fill says why.
+tokens/s counts them over the wall time of the whole generation, prefill included, the
+best of --repeats runs after a warm-up run of a few tokens (the cores may be shared: the
+load averages printed before and after say how busy they were). Each engine runs in a
+process of its own, one at a time, so that no engine's threads or memory outlive its
+figure: llamastream's with each backend --backends names (engine.backends.create_backend,
+in a fork of this process, which holds the model), llama.cpp with --threads threads
+(bench/llama_cpp_decode.py), transformers in float32, dequantizing the GGUF, where torch
+is installed (a fork too). A column an engine cannot fill says why.
 
 Each figure is beside its ceiling: the batch over the floor of a step's time, the weight
 bytes one step reads, as stored (quantized blocks; the tied embedding counted whole, as
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -86,6 +90,31 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def forked(fn, *args):
+    """fn(*args) in a fork of this process, and its result; an exception in it is raised
+    here as a RuntimeError saying what it was, as is the fork's death."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            send.send((True, fn(*args)))
+        except Exception as e:
+            send.send((False, f"{type(e).__name__}: {e}"))
+
+    process = context.Process(target=child)
+    process.start()
+    send.close()  # (so that the fork's death ends the wait below)
+    try:
+        ok, result = receive.recv()
+    except EOFError:
+        ok, result = False, "the process died"
+    process.join()
+    if not ok:
+        raise RuntimeError(f"{result} (exit code {process.exitcode})" if process.exitcode else result)
+    return result
+
+
 def step_bytes(model: LoadedModel, batch: int) -> int:
     """Weight bytes one decode step of `batch` sequences reads, as stored: every matrix
     and norm, the head (the embedding whole, if tied), and a row of the embedding each."""
@@ -95,7 +124,8 @@ def step_bytes(model: LoadedModel, batch: int) -> int:
     return sum(t.nbytes for name, t in w.items() if name != EMBED) + head + batch * embed.nbytes // embed.shape[0]
 
 
-def ours(model: LoadedModel, backend_name: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, str]:
+def ours(model: LoadedModel, backend_name: str, prompts: list[list[int]], new_tokens: int,
+         repeats: int) -> tuple[float, str]:
     """Tokens/s of llamastream's engine on `backend_name`, greedy, and the backend's class
     (what the name means today). The prefix cache is off: the warm-up's prompts would
     otherwise spare the timed run's prefill."""
@@ -116,11 +146,11 @@ def ours(model: LoadedModel, backend_name: str, prompts: list[list[int]], new_to
         return time.perf_counter() - start
 
     generate(WARMUP_TOKENS)
-    return new_tokens * len(prompts) / generate(new_tokens), type(backend).__name__
+    return new_tokens * len(prompts) / min(generate(new_tokens) for _ in range(repeats)), type(backend).__name__
 
 
-def llama_cpp(python: str | None, path: Path, prompts: list[list[int]], new_tokens: int,
-              threads: int) -> tuple[float | None, str]:
+def llama_cpp(python: str | None, path: Path, prompts: list[list[int]], new_tokens: int, threads: int,
+              repeats: int) -> tuple[float | None, str]:
     """llama.cpp's tokens/s and its build (or None and why not), from
     bench/llama_cpp_decode.py run by `python`."""
     if python is None:
@@ -128,7 +158,7 @@ def llama_cpp(python: str | None, path: Path, prompts: list[list[int]], new_toke
     if shutil.which(python) is None:
         return None, f"{python} does not exist: `make bench-cpu` builds llama-cpp-python into .venv-bench"
     run = subprocess.run([python, str(ROOT / "bench" / "llama_cpp_decode.py"), str(path), "--threads", str(threads),
-                          "--new-tokens", str(new_tokens)], input=json.dumps(prompts), capture_output=True, text=True)
+                          "--new-tokens", str(new_tokens), "--repeats", str(repeats)], input=json.dumps(prompts), capture_output=True, text=True)
     if run.returncode != 0:
         return None, f"bench/llama_cpp_decode.py failed ({run.returncode}): {run.stderr.strip()[-2000:]}"
     result = json.loads(run.stdout)
@@ -148,7 +178,8 @@ def default_llama_cpp_python() -> str | None:
     return sys.executable
 
 
-def transformers_tps(path: Path, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[float | None, str]:
+def transformers_tps(path: Path, prompts: list[list[int]], new_tokens: int, threads: int,
+                     repeats: int) -> tuple[float | None, str]:
     """transformers' float32 tokens/s on the GGUF file (dequantized as it loads), greedy,
     the prompts left-padded into one batch; or None and why not."""
     try:
@@ -172,7 +203,7 @@ def transformers_tps(path: Path, prompts: list[list[int]], new_tokens: int, thre
         return elapsed
 
     generate(WARMUP_TOKENS)
-    return new_tokens * len(prompts) / generate(new_tokens), f"transformers float32, torch {torch.__version__}"
+    return new_tokens * len(prompts) / min(generate(new_tokens) for _ in range(repeats)), f"transformers float32, torch {torch.__version__}"
 
 
 def cpu_name() -> str:
@@ -225,6 +256,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="numpy,cpu", help="llamastream's backends, by create_backend's names")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each figure, the best taken")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp's and torch's")
     ap.add_argument("--llama-cpp-python", default=default_llama_cpp_python(),
                     help="an interpreter with llama-cpp-python (default: .venv-bench's, else this one's if it has it)")
@@ -238,7 +270,8 @@ def main() -> None:
     print(f"machine: {cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.system()} {platform.release()}; "
           f"memory read {bandwidth / 1e9:.1f} GB/s ({args.threads} threads), copy {memory_bandwidth() / 1e9:.1f} GB/s")
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
-    print(f"date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; llamastream {commit()}")
+    print(f"date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; llamastream {commit()}; "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"{args.new_tokens} greedy tokens a sequence; tok/s (in brackets: of the ceiling, batch x bandwidth / bytes)")
     columns = [*backends, "llama.cpp", "transformers"]
     header = f"{'model':<26} | {'batch':>5} | {'MB/step':>7} | {'ceiling':>7} | " + " | ".join(f"{c:>14}" for c in columns)
@@ -255,19 +288,22 @@ def main() -> None:
             cells = []
             for name in backends:
                 try:
-                    tps, cls = ours(model, name, ps, args.new_tokens)
+                    tps, cls = forked(ours, model, name, ps, args.new_tokens, args.repeats)
                     note = f"{name}: {cls}"
-                except Exception as e:  # (an unknown name, a missing compiler, a format it does not serve)
-                    tps, note = None, f"{name}: skipped, {type(e).__name__}: {e}"
+                except RuntimeError as e:  # (an unknown name, a missing compiler, a format it does not serve)
+                    tps, note = None, f"{name}: skipped, {e}"
                 notes.setdefault(note, []).append(row)
                 cells.append(tps)
-            tps, note = llama_cpp(args.llama_cpp_python, path, ps, args.new_tokens, args.threads)
+            tps, note = llama_cpp(args.llama_cpp_python, path, ps, args.new_tokens, args.threads, args.repeats)
             notes.setdefault(f"llama.cpp: {note}", []).append(row)
             cells.append(tps)
             if args.no_transformers:
                 tps, note = None, "left out (--no-transformers)"
             else:
-                tps, note = transformers_tps(path, ps, args.new_tokens, args.threads)
+                try:
+                    tps, note = forked(transformers_tps, path, ps, args.new_tokens, args.threads, args.repeats)
+                except RuntimeError as e:
+                    tps, note = None, f"failed, {e}"
             notes.setdefault(f"transformers: {note}", []).append(row)
             cells.append(tps)
             text = [f"{t:7.1f} ({t / ceiling:3.0%})" if t else f"{'-':>14}" for t in cells]
@@ -275,6 +311,7 @@ def main() -> None:
                   + " | ".join(text), flush=True)
         del model
     rows = sum(len(b) for _, _, b in cases)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     print("notes:")
     for note, where in notes.items():
         print(f"  {note}" + ("" if len(where) == rows else f" ({'; '.join(where)})"))

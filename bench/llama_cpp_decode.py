@@ -4,12 +4,13 @@ together as in llama.cpp's own batched tools). bench/cpu_decode.py runs it in th
 interpreter where llama-cpp-python is built (`make bench-cpu`: .venv-bench), a process
 of its own, so that neither engine's threads or memory weigh on the other's figures:
 
-    python bench/llama_cpp_decode.py MODEL.gguf --threads 2 --new-tokens 128 < prompts.json
+    python bench/llama_cpp_decode.py MODEL.gguf --threads 2 [--new-tokens 128] [--repeats 1] < prompts.json
 
 stdin holds the prompts' token ids (a JSON list of lists, one sequence each); stdout
 gets one JSON object: tokens/s, the same way as bench/cpu_decode.py counts them (every
 sequence's `--new-tokens` greedy tokens, eos ignored, over the wall time of prefill and
-decode together, after a short warm-up run), and what llama.cpp was built with.
+decode together, the best of `--repeats` runs after a short warm-up run), and what
+llama.cpp was built with.
 """
 
 from __future__ import annotations
@@ -84,11 +85,12 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
     prompts = json.load(sys.stdin)
     decoder = Decoder(args.model, prompts, args.new_tokens, args.threads)
     decoder.run(WARMUP_TOKENS)
-    seconds = decoder.run(args.new_tokens)
+    seconds = min(decoder.run(args.new_tokens) for _ in range(args.repeats))
     print(json.dumps({
         "tokens_per_s": args.new_tokens * len(prompts) / seconds,
         "version": lc.__version__,
