@@ -22,6 +22,7 @@ COPY engine engine
 COPY server server
 COPY llamastream llamastream
 COPY cuda_src cuda_src
+COPY cpu_src cpu_src
 RUN /opt/venv/bin/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
       protos/llamastream/v1/generation.proto \
  && /opt/venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation -e .

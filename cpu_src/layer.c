@@ -98,7 +98,9 @@ void attention(float *out, const float *qkv, int heads, int kv_heads, int d, int
                const int *n, const int *start, const int64_t *slots, const int64_t *slot_at, const float *k_cache,
                const float *v_cache, float scale) {
     const int ld = (heads + 2 * kv_heads) * d, kv = kv_heads * d, group = heads / kv_heads;
-#pragma omp parallel num_threads(threads)
+    size_t work = 0;  // multiply-adds, as many again for the values
+    for (int s = 0; s < num_seqs; s++) work += (size_t)n[s] * (start[s] + n[s]) * heads * d;
+#pragma omp parallel num_threads(threads) if (work > (1 << 16))
     {
         float *scores = NULL;
         int capacity = 0;

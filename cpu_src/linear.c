@@ -1,9 +1,8 @@
 // Linear layers, y[M, N] = x[M, K] @ w[N, K]^T, with the weights in the three forms
 // the CPU backend repacks every checkpoint format into (engine/backends/cpu/weights.py):
 //
-//   u4:    blocks of 32 weights, w = d * q + m with q a nibble; two blocks share 32
-//          bytes, byte j holding q[0][j] in its low nibble and q[1][j] in its high
-//          one (GGUF's Q4_K order). codes [N, K / 2], d and m float32 [N, K / 32].
+//   u4:    blocks of 32 weights, w = d * q + m with q a nibble: codes [N, K / 2] (in
+//          GROUP_LAYOUT, below), d and m float32 [N, K / 32].
 //   u8:    the same with q a byte: codes [N, K].
 //   float: float32, bfloat16, float16 or FP8 e4m3 values times a scale per group of
 //          columns, multiplied in float32 as the numpy reference does.
@@ -20,17 +19,26 @@
 #include "common.h"
 
 #define TILE 8  // rows of x a weight row meets while it is in registers
+// GROUP_LAYOUT: a row's blocks go by groups of 8 (those left over, in order, after the
+// last group). In a group, one vector of 16 int16 holds weights j and j + 1 of each
+// of the 8 blocks, so that a multiply-add of pairs (dot_i16) sums each block in its
+// own 32-bit lane: 16 of them make the group's 8 block sums with no shuffling.
+#define GROUP 8
+// Whether a product is worth more threads: below this many multiply-adds, waking them
+// costs more than it saves.
+#define PARALLEL_MACS (1 << 16)
 
 int threads = 1;
 
 void set_threads(int n) { threads = n; }
 
 // xq[r, :], sx[r, :] and xs[r, :] (= sx * sum(xq) per block) from x[r, :k] (columns
-// perm[c] where perm is given: act-order checkpoints), zero-padded to kp columns.
+// perm[c] where perm is given: act-order checkpoints), zero-padded to kp columns; xq in
+// GROUP_LAYOUT, as the weights are.
 void quantize_rows(const float *x, int ldx, int m, int k, int kp, const int32_t *perm, int16_t *xq, float *sx,
                    float *xs) {
-    const int nb = kp / BLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads) if (m > 1)
+    const int nb = kp / BLOCK, grouped = nb / GROUP * GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads) if ((size_t)m * k > PARALLEL_MACS / 16)
     for (int r = 0; r < m; r++) {
         const float *row = x + (size_t)r * ldx;
         for (int b = 0; b < nb; b++) {
@@ -42,10 +50,13 @@ void quantize_rows(const float *x, int ldx, int m, int k, int kp, const int32_t 
             }
             float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
             int sum = 0;
-            int16_t *q = xq + (size_t)r * kp + b * BLOCK;
+            int16_t *q = xq + (size_t)r * kp;
             for (int j = 0; j < BLOCK; j++) {
-                q[j] = (int16_t)lrintf(v[j] * inv);
-                sum += q[j];
+                int16_t value = (int16_t)lrintf(v[j] * inv);
+                // a group's vector j / 2 holds weights j and j + 1 of its 8 blocks, in turn
+                int at = b < grouped ? (b - b % GROUP) * BLOCK + j / 2 * 16 + b % GROUP * 2 + j % 2 : b * BLOCK + j;
+                q[at] = value;
+                sum += value;
             }
             sx[(size_t)r * nb + b] = amax / 32767.0f;
             xs[(size_t)r * nb + b] = amax / 32767.0f * (float)sum;
@@ -60,13 +71,10 @@ static inline int chunk_rows(int n) {
     return chunk < 4 ? 4 : chunk;
 }
 
-// sum_b m[b] * xs[b]: the blocks' offsets
+// sum_b m[b] * xs[b]: the offsets of blocks that are not in a group
 static inline float offsets(const float *m, const float *xs, int nb) {
-    __m256 acc = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 8 <= nb; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(xs + b), acc);
-    float sum = hsum(acc);
-    for (; b < nb; b++) sum += m[b] * xs[b];
+    float sum = 0.0f;
+    for (int b = 0; b < nb; b++) sum += m[b] * xs[b];
     return sum;
 }
 
@@ -77,17 +85,47 @@ static inline __m256 block_dot(__m256 acc, __m256i w0, __m256i w1, const int16_t
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d_sx), acc);
 }
 
-// One weight row of u4 against `rows` (<= TILE) quantized rows of x. A pair of blocks
-// is 32 bytes; widened to 16 bits, a byte's low nibble is block 0's weight and its
-// high nibble block 1's.
+// acc + a group's products for 8 blocks at once (w: its 16 vectors of weights, x the
+// row's 16): lane i of the int32 sums is block i's dot product, scaled by d[i] sx[i];
+// accm gathers the groups' offsets m[i] xs[i].
+static inline __attribute__((always_inline)) void group_dot(__m256 *acc, __m256 *accm, const __m256i *w,
+                                                            const int16_t *x, __m256 d, __m256 m, const float *sx,
+                                                            const float *xs) {
+    __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();  // (two chains)
+    for (int j = 0; j < 16; j += 2) {
+        p0 = dot_i16(p0, w[j], _mm256_loadu_si256((const __m256i *)(x + 16 * j)));
+        p1 = dot_i16(p1, w[j + 1], _mm256_loadu_si256((const __m256i *)(x + 16 * j + 16)));
+    }
+    __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(sx));
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), scale, *acc);
+    *accm = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs), *accm);
+}
+
+// One weight row of u4 against `rows` (<= TILE) quantized rows of x. A group's 128
+// bytes widen, 16 at a time, to two vectors of 16-bit weights: the low nibbles and
+// the high ones (GROUP_LAYOUT). The blocks after the last group come in pairs of 32
+// bytes, byte j holding the pair's first block's weight j in its low nibble and the
+// second's in its high one.
 static inline __attribute__((always_inline)) void u4_row(const int rows, float *y, int ldy, const int16_t *xq,
                                                          const float *sx, const float *xs, int kp, const uint8_t *wq,
                                                          const float *wd, const float *wm) {
-    const int nb = kp / BLOCK;
+    const int nb = kp / BLOCK, grouped = nb / GROUP * GROUP;
     const __m256i nibble = _mm256_set1_epi16(0x0F);
-    __m256 acc[TILE];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b += 2) {
+    __m256 acc[TILE], accm[TILE];
+    for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int b = 0; b < grouped; b += GROUP) {
+        __m256i w[16];
+        for (int c = 0; c < 8; c++) {
+            __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK / 2 + 16 * c)));
+            w[c] = _mm256_and_si256(v, nibble);
+            w[c + 8] = _mm256_srli_epi16(v, 4);
+        }
+        const __m256 d = _mm256_loadu_ps(wd + b), m = _mm256_loadu_ps(wm + b);
+        for (int r = 0; r < rows; r++)
+            group_dot(&acc[r], &accm[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
+                      xs + (size_t)r * nb + b);
+    }
+    for (int b = grouped; b < nb; b += 2) {
         __m256i lo16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK / 2)));
         __m256i hi16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK / 2 + 16)));
         __m256i a0 = _mm256_and_si256(lo16, nibble), b0 = _mm256_srli_epi16(lo16, 4);
@@ -99,23 +137,37 @@ static inline __attribute__((always_inline)) void u4_row(const int rows, float *
             acc[r] = block_dot(acc[r], b0, b1, x + BLOCK, wd[b + 1] * s[1]);
         }
     }
-    for (int r = 0; r < rows; r++) y[(size_t)r * ldy] = hsum(acc[r]) + offsets(wm, xs + (size_t)r * nb, nb);
+    for (int r = 0; r < rows; r++)
+        y[(size_t)r * ldy] = hsum(_mm256_add_ps(acc[r], accm[r])) +
+                             offsets(wm + grouped, xs + (size_t)r * nb + grouped, nb - grouped);
 }
 
-// One weight row of u8 against `rows` (<= TILE) quantized rows of x.
+// One weight row of u8 against `rows` (<= TILE) quantized rows of x: groups of 256
+// bytes in GROUP_LAYOUT, then the other blocks' 32 bytes in order.
 static inline __attribute__((always_inline)) void u8_row(const int rows, float *y, int ldy, const int16_t *xq,
                                                          const float *sx, const float *xs, int kp, const uint8_t *wq,
                                                          const float *wd, const float *wm) {
-    const int nb = kp / BLOCK;
-    __m256 acc[TILE];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
+    const int nb = kp / BLOCK, grouped = nb / GROUP * GROUP;
+    __m256 acc[TILE], accm[TILE];
+    for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int b = 0; b < grouped; b += GROUP) {
+        __m256i w[16];
+        for (int j = 0; j < 16; j++)
+            w[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK + 16 * j)));
+        const __m256 d = _mm256_loadu_ps(wd + b), m = _mm256_loadu_ps(wm + b);
+        for (int r = 0; r < rows; r++)
+            group_dot(&acc[r], &accm[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
+                      xs + (size_t)r * nb + b);
+    }
+    for (int b = grouped; b < nb; b++) {
         __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK)));
         __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK + 16)));
         for (int r = 0; r < rows; r++)
             acc[r] = block_dot(acc[r], w0, w1, xq + (size_t)r * kp + b * BLOCK, wd[b] * sx[(size_t)r * nb + b]);
     }
-    for (int r = 0; r < rows; r++) y[(size_t)r * ldy] = hsum(acc[r]) + offsets(wm, xs + (size_t)r * nb, nb);
+    for (int r = 0; r < rows; r++)
+        y[(size_t)r * ldy] = hsum(_mm256_add_ps(acc[r], accm[r])) +
+                             offsets(wm + grouped, xs + (size_t)r * nb + grouped, nb - grouped);
 }
 
 // The row kernels above with `rows` a constant, so that their accumulators stay in registers.
@@ -136,7 +188,7 @@ void linear_q(float *y, int ldy, const int16_t *xq, const float *sx, const float
               const uint8_t *codes, const float *d, const float *mins, int n, int bits) {
     const int nb = kp / BLOCK;
     const size_t row_bytes = (size_t)kp * bits / 8;
-#pragma omp parallel for schedule(dynamic, chunk_rows(n)) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, chunk_rows(n)) num_threads(threads) if ((size_t)m * n * kp > PARALLEL_MACS)
     for (int o = 0; o < n; o++) {
         const uint8_t *wq = codes + o * row_bytes;
         const float *wd = d + (size_t)o * nb, *wm = mins + (size_t)o * nb;
@@ -213,7 +265,7 @@ static inline __attribute__((always_inline)) void float_row(const int rows, cons
 void linear_float(float *y, int ldy, const float *x, int ldx, int m, int k, const void *w, int kind,
                   const float *scale, int group, int n) {
     const int groups = (k + group - 1) / group;
-#pragma omp parallel for schedule(dynamic, chunk_rows(n)) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, chunk_rows(n)) num_threads(threads) if ((size_t)m * n * k > PARALLEL_MACS)
     for (int o = 0; o < n; o++) {
         for (int r = 0; r < m; r += 4) {
             const int rows = m - r < 4 ? m - r : 4;

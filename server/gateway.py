@@ -7,6 +7,7 @@ every replica, then stops the gateway."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -32,14 +33,29 @@ class Replica:
     port: int
     args: list[str]
     gpu: str | None = None  # the one GPU it sees, or all of the machine's
+    cores: set[int] | None = None  # the CPU cores it runs on, or all of the launcher's
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
         env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": self.gpu} if self.gpu is not None else {}))
+        pin = None if self.cores is None else functools.partial(os.sched_setaffinity, 0, self.cores)
         self.proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--port", str(self.port), *self.args],
-                                     env=env)
-        log.info("replica %d started on port %d%s (pid %d)", self.index, self.port,
-                 "" if self.gpu is None else f", GPU {self.gpu}", self.proc.pid)
+                                     env=env, preexec_fn=pin)
+        log.info("replica %d started on port %d%s%s (pid %d)", self.index, self.port,
+                 "" if self.gpu is None else f", GPU {self.gpu}",
+                 "" if self.cores is None else f", cores {','.join(map(str, sorted(self.cores)))}", self.proc.pid)
+
+
+def replica_cores(replicas: int) -> list[set[int]] | None:
+    """The cores this process may use, shared out evenly among the replicas: a replica's
+    CPU backend runs a thread per core it has, and replicas whose threads shared cores
+    would each wait on the others' at every kernel. None (all share) where there are
+    fewer cores than replicas or the platform cannot pin."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    each = len(cores) // replicas
+    return [set(cores[i * each : (i + 1) * each]) for i in range(replicas)] if each else None
 
 
 def replica_gpus(spec: str | None, replicas: int | None) -> list[str] | None:
@@ -122,12 +138,13 @@ class ReplicaSet:
     def __init__(self, replicas: int, grpc_port: int, host: str, port: int, model_dir: Path, serve_args: list[str],
                  policy: str, metrics_port: int, gpus: list[str] | None = None, replica_metrics_port: int | None = None):
         self.replicas = []
+        cores = replica_cores(replicas) if replicas > 1 else None
         for i in range(replicas):
             gpu = gpus[i] if gpus else None
             own = (["--metrics-port", str(replica_metrics_port + i)] if replica_metrics_port is not None else []) \
                 + (["--metrics-label", f"gpu={gpu}"] if gpu is not None else [])
             self.replicas.append(Replica(i, grpc_port + i, ["--host", "127.0.0.1", "--model", str(model_dir), *own,
-                                                            *serve_args], gpu))
+                                                            *serve_args], gpu, cores[i] if cores else None))
         self.gateway_args = ["launch", "--host", host, "--port", str(port), "--model-path", str(model_dir),
                              "--policy", policy, "--prometheus-host", host, "--prometheus-port", str(metrics_port),
                              "--health-check-interval-secs", "2", "--health-failure-threshold", "1",

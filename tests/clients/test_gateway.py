@@ -23,6 +23,7 @@ import pytest
 
 from devtools.servers import GatewayProcess, ServerProcess, free_port, free_ports, wait_serving
 from engine.model_loader import convert_gguf, embedded_model_path
+from server.gateway import replica_cores
 from tests.deploy.test_manifests import container, named
 from tests.server.test_observability import scrape
 
@@ -179,10 +180,12 @@ def test_a_draining_replica_finishes_its_streams_and_no_request_fails(model_dir)
 
 
 def replica(model_dir, port: int | None = None, *args: str) -> ServerProcess:
-    """A `llamastream serve` process, SERVING, with its metrics on a port of its own."""
+    """A `llamastream serve` process, SERVING, with its metrics on a port of its own; on
+    one thread, as two replicas sharing this machine's cores must be (the launcher pins
+    each to cores of its own)."""
     metrics_port = free_port()
-    server = ServerProcess("--model", str(model_dir), "--device", "cpu", "--metrics-port", str(metrics_port), *args,
-                           port=port)
+    server = ServerProcess("--model", str(model_dir), "--device", "cpu", "--threads", "1", "--metrics-port",
+                           str(metrics_port), *args, port=port)
     server.__enter__()
     server.metrics_port = metrics_port
     return server
@@ -289,11 +292,12 @@ def test_llamastream_gateway_serves_a_replica_per_gpu_and_restarts_a_dead_one(mo
 
     def started() -> list[tuple[int, int, int]]:
         return [(int(i), int(gpu), int(pid)) for i, gpu, pid in
-                re.findall(r"replica (\d+) started on port \d+, GPU (\d+) \(pid (\d+)\)", logged())]
+                re.findall(r"replica (\d+) started on port \d+, GPU (\d+)(?:, cores [\d,]+)? \(pid (\d+)\)", logged())]
 
     def check_replica(i: int, pid: int) -> None:
         environ = dict(v.split("=", 1) for v in open(f"/proc/{pid}/environ").read().split("\0") if "=" in v)
         assert environ["CUDA_VISIBLE_DEVICES"] == str(i)
+        assert os.sched_getaffinity(pid) == replica_cores(2)[i]  # (cores of its own: half the machine's)
         assert all(("gpu", str(i)) in labels for _, labels in scrape(metrics_port + i))
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="not-needed", max_retries=0, timeout=30)

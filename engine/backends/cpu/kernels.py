@@ -24,6 +24,11 @@ import numpy as np
 CPU_SRC = Path(__file__).resolve().parents[3] / "cpu_src"
 SOURCES = ("linear.c", "layer.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# A thread that waits for work (or for the others at a region's end) spins this many
+# turns before it sleeps and gives its core back: about 10 us, longer than the Python
+# between two kernels of a step, shorter than what a core lent to the server's other
+# threads (or another process) would cost a step if the waiting held on to it.
+SPIN_COUNT = "10000"
 COMPILER = os.environ.get("CC", "cc")
 
 log = logging.getLogger("llamastream.engine")
@@ -69,22 +74,30 @@ def _library_path() -> Path:
 
 def _compile(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("compiling the CPU kernels for this CPU (once; cached as %s) ...", target)
+    log.info("compiling the CPU kernels for this CPU, once (cached as %s)", target)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run([COMPILER, *FLAGS, "-o", str(built), *(str(CPU_SRC / f) for f in SOURCES)],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise CompilerMissing(f"the CPU kernels did not compile with {COMPILER}: {result.stderr.strip()[-2000:]}")
-        os.replace(built, target)  # (atomic: concurrent starts each build, one wins)
+        objects = []
+        for i, source in enumerate(SOURCES):
+            log.info("compiling cpu_src/%s (%d of %d)", source, i + 1, len(SOURCES))
+            objects.append(str(Path(tmp) / f"{source}.o"))
+            _run([COMPILER, *FLAGS, "-c", "-o", objects[-1], str(CPU_SRC / source)])
+        _run([COMPILER, *FLAGS, "-o", str(Path(tmp) / target.name), *objects])
+        os.replace(Path(tmp) / target.name, target)  # (atomic: of servers starting together, one wins)
     log.info("compiled the CPU kernels in %.1f s", time.perf_counter() - started)
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise CompilerMissing(f"the CPU kernels did not compile ({' '.join(command)}): {result.stderr.strip()[-2000:]}")
 
 
 class CpuKernels:
     """cpu_src/'s functions, each an attribute of its name taking addresses and numbers."""
 
     def __init__(self, threads: int):
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)  # (read once, as OpenMP's library loads)
         path = _library_path()
         if not path.exists():
             _compile(path)

@@ -27,6 +27,7 @@ from engine.quantization.int4 import Int4Weight
 from engine.weights import Tensor
 
 BLOCK = 32
+GROUP = 8  # blocks in linear.c's GROUP_LAYOUT
 FLOAT_KINDS = {"f32": 0, "bf16": 1, "f16": 2, "e4m3": 3}  # as cpu_src/linear.c's enum
 E4M3_AS_F16 = 256.0  # linear.c reads an e4m3 byte as a float16 of its value / 256
 
@@ -121,11 +122,15 @@ def _blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int, k: int, perm
         q = np.concatenate([q, np.zeros((n, 1, BLOCK), np.uint8)], axis=1)
         d, m = (np.concatenate([a, np.zeros((n, 1), np.float32)], axis=1) for a in (d, m))
         blocks += 1
-    if bits == 4:
-        pairs = q.reshape(n, blocks // 2, 2, BLOCK)
-        codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, blocks * BLOCK // 2)
+    grouped = blocks // GROUP * GROUP
+    # linear.c's GROUP_LAYOUT: [rows, groups, vector j, block i, weight 2j + t] for the groups
+    groups = q[:, :grouped].reshape(n, -1, GROUP, 16, 2).transpose(0, 1, 3, 2, 4)
+    if bits == 4:  # vectors 0-7 in the low nibbles, 8-15 in the high ones; then pairs of blocks
+        pairs = q[:, grouped:].reshape(n, -1, 2, BLOCK)
+        parts = [groups[:, :, :8] | (groups[:, :, 8:] << 4), pairs[:, :, 0] | (pairs[:, :, 1] << 4)]
     else:
-        codes = q.reshape(n, blocks * BLOCK)
+        parts = [groups, q[:, grouped:]]
+    codes = np.concatenate([part.reshape(n, -1) for part in parts], axis=1)
     return CpuLinear(f"u{bits}", np.ascontiguousarray(codes, np.uint8), n, k, blocks * BLOCK,
                      d=np.ascontiguousarray(d, np.float32), m=np.ascontiguousarray(m, np.float32), perm=perm)
 
