@@ -17,9 +17,10 @@
 
 #define BLOCK 32  // weights (and activations) that share one scale
 
-// The threads each parallel region runs on (set_threads); the thread that calls a
-// kernel is one of them.
-extern int threads;
+// fn(ctx, begin, end) over [0, n) in chunks, on the pool's threads (pool.c).
+typedef void (*task_fn)(void *ctx, int begin, int end);
+void parallel_for(int n, int chunk, task_fn fn, void *ctx);
+extern int threads;  // the pool's, the caller's among them (set_threads)
 
 // acc + the sums of each pair of adjacent int16 products (one instruction with VNNI).
 static inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {

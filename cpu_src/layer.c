@@ -1,6 +1,5 @@
 // The rest of a decoder layer in float32, as the numpy reference computes it
 // (engine/backends/numpy_backend.py names each function's counterpart).
-#include <omp.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -24,13 +23,18 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
-// rms_norm: out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps); d a multiple of 8
-void rms_norm(float *out, const float *x, const float *weight, int rows, int d, float eps) {
+// rms_norm: out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps), after x[r] += delta[r]
+// where delta is given (the residual stream's add, fused); d a multiple of 8
+void rms_norm(float *out, float *x, const float *delta, const float *weight, int rows, int d, float eps) {
     for (int r = 0; r < rows; r++) {
-        const float *xr = x + (size_t)r * d;
+        float *xr = x + (size_t)r * d;
         __m256 ss = _mm256_setzero_ps();
         for (int i = 0; i < d; i += 8) {
             __m256 v = _mm256_loadu_ps(xr + i);
+            if (delta) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(delta + (size_t)r * d + i));
+                _mm256_storeu_ps(xr + i, v);
+            }
             ss = _mm256_fmadd_ps(v, v, ss);
         }
         const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(ss) / d + eps));
@@ -90,6 +94,63 @@ void rope_and_cache(float *qkv, int rows, int heads, int kv_heads, int d, const 
     }
 }
 
+struct attention_args {
+    float *out;
+    const float *qkv, *k_cache, *v_cache;
+    int heads, kv_heads, d;
+    const int *q_row, *n, *start;
+    const int64_t *slots, *slot_at;
+    float scale;
+};
+
+// Tasks [begin, end) of attention: task t is sequence t / kv_heads's KV head t % kv_heads.
+static void attention_tasks(void *ctx, int begin, int end) {
+    const struct attention_args *a = ctx;
+    const int heads = a->heads, d = a->d, ld = (heads + 2 * a->kv_heads) * d, kv = a->kv_heads * d;
+    const int group = heads / a->kv_heads;
+    float *scores = NULL;
+    int capacity = 0;
+    for (int task = begin; task < end; task++) {
+        const int s = task / a->kv_heads, g = task % a->kv_heads;
+        const int ctx_len = a->start[s] + a->n[s];
+        const int64_t *sl = a->slots + a->slot_at[s];
+        if (ctx_len > capacity) {
+            free(scores);
+            capacity = ctx_len;
+            scores = malloc(sizeof(float) * capacity);
+        }
+        for (int t = 0; t < a->n[s]; t++) {
+            const int visible = a->start[s] + t + 1;  // causal: positions 0..start + t
+            for (int h = g * group; h < (g + 1) * group; h++) {
+                const float *q = a->qkv + (size_t)(a->q_row[s] + t) * ld + h * d;
+                float top = -INFINITY;
+                for (int j = 0; j < visible; j++) {
+                    const float *k = a->k_cache + sl[j] * kv + g * d;
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int i = 0; i < d; i += 8)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+                    scores[j] = hsum(acc) * a->scale;
+                    top = fmaxf(top, scores[j]);
+                }
+                float total = 0.0f;
+                for (int j = 0; j < visible; j++) {
+                    scores[j] = expf(scores[j] - top);
+                    total += scores[j];
+                }
+                float *o = a->out + (size_t)(a->q_row[s] + t) * heads * d + h * d;
+                for (int i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
+                for (int j = 0; j < visible; j++) {
+                    const float *v = a->v_cache + sl[j] * kv + g * d;
+                    const __m256 p = _mm256_set1_ps(scores[j] / total);
+                    for (int i = 0; i < d; i += 8)
+                        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+                }
+            }
+        }
+    }
+    free(scores);
+}
+
 // paged_attention of every sequence of a step. Sequence s has n[s] query rows from row
 // q_row[s] of qkv (its positions start[s]..), and the cache slots of its positions
 // 0..start[s]+n[s]-1 at slots + slot_at[s]. out [rows, heads * d]. The work is shared
@@ -97,52 +158,9 @@ void rope_and_cache(float *qkv, int rows, int heads, int kv_heads, int d, const 
 void attention(float *out, const float *qkv, int heads, int kv_heads, int d, int num_seqs, const int *q_row,
                const int *n, const int *start, const int64_t *slots, const int64_t *slot_at, const float *k_cache,
                const float *v_cache, float scale) {
-    const int ld = (heads + 2 * kv_heads) * d, kv = kv_heads * d, group = heads / kv_heads;
+    struct attention_args a = {out, qkv, k_cache, v_cache, heads, kv_heads, d, q_row, n, start, slots, slot_at, scale};
     size_t work = 0;  // multiply-adds, as many again for the values
     for (int s = 0; s < num_seqs; s++) work += (size_t)n[s] * (start[s] + n[s]) * heads * d;
-#pragma omp parallel num_threads(threads) if (work > (1 << 16))
-    {
-        float *scores = NULL;
-        int capacity = 0;
-#pragma omp for schedule(dynamic)
-        for (int task = 0; task < num_seqs * kv_heads; task++) {
-            const int s = task / kv_heads, g = task % kv_heads;
-            const int ctx = start[s] + n[s];
-            const int64_t *sl = slots + slot_at[s];
-            if (ctx > capacity) {
-                free(scores);
-                capacity = ctx;
-                scores = malloc(sizeof(float) * capacity);
-            }
-            for (int t = 0; t < n[s]; t++) {
-                const int visible = start[s] + t + 1;  // causal: positions 0..start + t
-                for (int h = g * group; h < (g + 1) * group; h++) {
-                    const float *q = qkv + (size_t)(q_row[s] + t) * ld + h * d;
-                    float top = -INFINITY;
-                    for (int j = 0; j < visible; j++) {
-                        const float *k = k_cache + sl[j] * kv + g * d;
-                        __m256 acc = _mm256_setzero_ps();
-                        for (int i = 0; i < d; i += 8)
-                            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
-                        scores[j] = hsum(acc) * scale;
-                        top = fmaxf(top, scores[j]);
-                    }
-                    float total = 0.0f;
-                    for (int j = 0; j < visible; j++) {
-                        scores[j] = expf(scores[j] - top);
-                        total += scores[j];
-                    }
-                    float *o = out + (size_t)(q_row[s] + t) * heads * d + h * d;
-                    for (int i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
-                    for (int j = 0; j < visible; j++) {
-                        const float *v = v_cache + sl[j] * kv + g * d;
-                        const __m256 p = _mm256_set1_ps(scores[j] / total);
-                        for (int i = 0; i < d; i += 8)
-                            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
-                    }
-                }
-            }
-        }
-        free(scores);
-    }
+    const int tasks = num_seqs * kv_heads;
+    parallel_for(tasks, work > (1 << 16) ? 1 : tasks, attention_tasks, &a);
 }

@@ -2,7 +2,7 @@
 // the CPU backend repacks every checkpoint format into (engine/backends/cpu/weights.py):
 //
 //   u4:    blocks of 32 weights, w = d * q + m with q a nibble: codes [N, K / 2] (in
-//          GROUP_LAYOUT, below), d and m float32 [N, K / 32].
+//          GROUP_LAYOUT, below), and each block's d and m (struct scales).
 //   u8:    the same with q a byte: codes [N, K].
 //   float: float32, bfloat16, float16 or FP8 e4m3 values times a scale per group of
 //          columns, multiplied in float32 as the numpy reference does.
@@ -13,9 +13,7 @@
 //     sum_k w[k] x[k] = sum_blocks sx (d dot(q, xq) + m sum(xq)),
 // accumulated in float32. int16 keeps a product within about 1e-5 of float32's (int8,
 // llama.cpp's choice, errs by a logit on small models, enough to flip greedy choices).
-// Rows of w are shared out among the threads; each row is read once for all of x's rows.
-#include <omp.h>
-
+// Rows of w are shared out among the threads (pool.c); each is read once for all of x's rows.
 #include "common.h"
 
 #define TILE 8  // rows of x a weight row meets while it is in registers
@@ -28,53 +26,74 @@
 // costs more than it saves.
 #define PARALLEL_MACS (1 << 16)
 
-int threads = 1;
-
-void set_threads(int n) { threads = n; }
-
-// xq[r, :], sx[r, :] and xs[r, :] (= sx * sum(xq) per block) from x[r, :k] (columns
-// perm[c] where perm is given: act-order checkpoints), zero-padded to kp columns; xq in
-// GROUP_LAYOUT, as the weights are.
-void quantize_rows(const float *x, int ldx, int m, int k, int kp, const int32_t *perm, int16_t *xq, float *sx,
-                   float *xs) {
+// xq, sx and xs (= sx * sum(xq) per block) of one row x[:k] (columns perm[c] where
+// perm is given: act-order checkpoints), zero-padded to kp columns; xq in GROUP_LAYOUT,
+// as the weights are.
+static void quantize_row(const float *x, int k, int kp, const int32_t *perm, int16_t *xq, float *sx, float *xs) {
     const int nb = kp / BLOCK, grouped = nb / GROUP * GROUP;
-#pragma omp parallel for schedule(static) num_threads(threads) if ((size_t)m * k > PARALLEL_MACS / 16)
-    for (int r = 0; r < m; r++) {
-        const float *row = x + (size_t)r * ldx;
-        for (int b = 0; b < nb; b++) {
-            float v[BLOCK], amax = 0.0f;
-            for (int j = 0; j < BLOCK; j++) {
-                int c = b * BLOCK + j;
-                v[j] = c < k ? row[perm ? perm[c] : c] : 0.0f;
-                amax = fmaxf(amax, fabsf(v[j]));
-            }
-            float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-            int sum = 0;
-            int16_t *q = xq + (size_t)r * kp;
-            for (int j = 0; j < BLOCK; j++) {
-                int16_t value = (int16_t)lrintf(v[j] * inv);
-                // a group's vector j / 2 holds weights j and j + 1 of its 8 blocks, in turn
-                int at = b < grouped ? (b - b % GROUP) * BLOCK + j / 2 * 16 + b % GROUP * 2 + j % 2 : b * BLOCK + j;
-                q[at] = value;
-                sum += value;
-            }
-            sx[(size_t)r * nb + b] = amax / 32767.0f;
-            xs[(size_t)r * nb + b] = amax / 32767.0f * (float)sum;
+    for (int b = 0; b < nb; b++) {
+        float v[BLOCK], amax = 0.0f;
+        for (int j = 0; j < BLOCK; j++) {
+            int c = b * BLOCK + j;
+            v[j] = c < k ? x[perm ? perm[c] : c] : 0.0f;
+            amax = fmaxf(amax, fabsf(v[j]));
         }
+        float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < BLOCK; j++) {
+            int16_t value = (int16_t)lrintf(v[j] * inv);
+            // a group's vector j / 2 holds weights j and j + 1 of its 8 blocks, in turn
+            xq[b < grouped ? (b - b % GROUP) * BLOCK + j / 2 * 16 + b % GROUP * 2 + j % 2 : b * BLOCK + j] = value;
+            sum += value;
+        }
+        sx[b] = amax / 32767.0f;
+        xs[b] = amax / 32767.0f * (float)sum;
     }
 }
 
 // Rows a thread takes at a time: about 8 turns a thread, so that where the OS takes a
-// core away (the server's other threads, another process) the others finish its rows.
-static inline int chunk_rows(int n) {
+// core away (the server's other threads, another process) the others finish its rows;
+// all of them where the product is too small to be worth waking other threads.
+static inline int chunk_rows(int n, size_t macs) {
+    if (macs < PARALLEL_MACS) return n;
     int chunk = n / (8 * threads);
     return chunk < 4 ? 4 : chunk;
 }
 
-// sum_b m[b] * xs[b]: the offsets of blocks that are not in a group
-static inline float offsets(const float *m, const float *xs, int nb) {
+// A matrix's block scales: d and m in float32 or (half) float16, [N, blocks] each; or,
+// where m is null, m = -d z with z a byte a block (symmetric and zero-point formats, so
+// that d can stay the checkpoint's float16). Indexed by row * blocks + block.
+struct scales {
+    const void *d, *m;
+    const uint8_t *z;
+    int half;
+};
+
+static inline float scale_at(const void *p, size_t i, int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __m256 scales8_at(const void *p, size_t i, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline float d_at(const struct scales *s, size_t i) { return scale_at(s->d, i, s->half); }
+
+static inline float m_at(const struct scales *s, size_t i) {
+    return s->m ? scale_at(s->m, i, s->half) : -d_at(s, i) * s->z[i];
+}
+
+static inline __m256 m8_at(const struct scales *s, size_t i, __m256 d) {
+    if (s->m) return scales8_at(s->m, i, s->half);
+    __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s->z + i))));
+    return _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), d), z);
+}
+
+// sum_b m[b] * xs[b] over the blocks [b0, nb) of a row (those that are not in a group)
+static inline float offsets(const struct scales *sc, size_t row, int b0, int nb, const float *xs) {
     float sum = 0.0f;
-    for (int b = 0; b < nb; b++) sum += m[b] * xs[b];
+    for (int b = b0; b < nb; b++) sum += m_at(sc, row + b) * xs[b];
     return sum;
 }
 
@@ -108,7 +127,7 @@ static inline __attribute__((always_inline)) void group_dot(__m256 *acc, __m256 
 // second's in its high one.
 static inline __attribute__((always_inline)) void u4_row(const int rows, float *y, int ldy, const int16_t *xq,
                                                          const float *sx, const float *xs, int kp, const uint8_t *wq,
-                                                         const float *wd, const float *wm) {
+                                                         const struct scales *sc, size_t row) {
     const int nb = kp / BLOCK, grouped = nb / GROUP * GROUP;
     const __m256i nibble = _mm256_set1_epi16(0x0F);
     __m256 acc[TILE], accm[TILE];
@@ -120,7 +139,7 @@ static inline __attribute__((always_inline)) void u4_row(const int rows, float *
             w[c] = _mm256_and_si256(v, nibble);
             w[c + 8] = _mm256_srli_epi16(v, 4);
         }
-        const __m256 d = _mm256_loadu_ps(wd + b), m = _mm256_loadu_ps(wm + b);
+        const __m256 d = scales8_at(sc->d, row + b, sc->half), m = m8_at(sc, row + b, d);
         for (int r = 0; r < rows; r++)
             group_dot(&acc[r], &accm[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
                       xs + (size_t)r * nb + b);
@@ -133,20 +152,19 @@ static inline __attribute__((always_inline)) void u4_row(const int rows, float *
         for (int r = 0; r < rows; r++) {
             const int16_t *x = xq + (size_t)r * kp + b * BLOCK;
             const float *s = sx + (size_t)r * nb + b;
-            acc[r] = block_dot(acc[r], a0, a1, x, wd[b] * s[0]);
-            acc[r] = block_dot(acc[r], b0, b1, x + BLOCK, wd[b + 1] * s[1]);
+            acc[r] = block_dot(acc[r], a0, a1, x, d_at(sc, row + b) * s[0]);
+            acc[r] = block_dot(acc[r], b0, b1, x + BLOCK, d_at(sc, row + b + 1) * s[1]);
         }
     }
     for (int r = 0; r < rows; r++)
-        y[(size_t)r * ldy] = hsum(_mm256_add_ps(acc[r], accm[r])) +
-                             offsets(wm + grouped, xs + (size_t)r * nb + grouped, nb - grouped);
+        y[(size_t)r * ldy] = hsum(_mm256_add_ps(acc[r], accm[r])) + offsets(sc, row, grouped, nb, xs + (size_t)r * nb);
 }
 
 // One weight row of u8 against `rows` (<= TILE) quantized rows of x: groups of 256
 // bytes in GROUP_LAYOUT, then the other blocks' 32 bytes in order.
 static inline __attribute__((always_inline)) void u8_row(const int rows, float *y, int ldy, const int16_t *xq,
                                                          const float *sx, const float *xs, int kp, const uint8_t *wq,
-                                                         const float *wd, const float *wm) {
+                                                         const struct scales *sc, size_t row) {
     const int nb = kp / BLOCK, grouped = nb / GROUP * GROUP;
     __m256 acc[TILE], accm[TILE];
     for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
@@ -154,7 +172,7 @@ static inline __attribute__((always_inline)) void u8_row(const int rows, float *
         __m256i w[16];
         for (int j = 0; j < 16; j++)
             w[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK + 16 * j)));
-        const __m256 d = _mm256_loadu_ps(wd + b), m = _mm256_loadu_ps(wm + b);
+        const __m256 d = scales8_at(sc->d, row + b, sc->half), m = m8_at(sc, row + b, d);
         for (int r = 0; r < rows; r++)
             group_dot(&acc[r], &accm[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
                       xs + (size_t)r * nb + b);
@@ -163,11 +181,10 @@ static inline __attribute__((always_inline)) void u8_row(const int rows, float *
         __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK)));
         __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK + 16)));
         for (int r = 0; r < rows; r++)
-            acc[r] = block_dot(acc[r], w0, w1, xq + (size_t)r * kp + b * BLOCK, wd[b] * sx[(size_t)r * nb + b]);
+            acc[r] = block_dot(acc[r], w0, w1, xq + (size_t)r * kp + b * BLOCK, d_at(sc, row + b) * sx[(size_t)r * nb + b]);
     }
     for (int r = 0; r < rows; r++)
-        y[(size_t)r * ldy] = hsum(_mm256_add_ps(acc[r], accm[r])) +
-                             offsets(wm + grouped, xs + (size_t)r * nb + grouped, nb - grouped);
+        y[(size_t)r * ldy] = hsum(_mm256_add_ps(acc[r], accm[r])) + offsets(sc, row, grouped, nb, xs + (size_t)r * nb);
 }
 
 // The row kernels above with `rows` a constant, so that their accumulators stay in registers.
@@ -183,27 +200,48 @@ static inline __attribute__((always_inline)) void u8_row(const int rows, float *
         default: KERNEL(TILE, __VA_ARGS__); break;      \
     }
 
-// y[M, N] (row stride ldy) = the quantized x [M, kp] times w^T, w in u4 (bits 4) or u8 (bits 8).
-void linear_q(float *y, int ldy, const int16_t *xq, const float *sx, const float *xs, int m, int kp,
-              const uint8_t *codes, const float *d, const float *mins, int n, int bits) {
-    const int nb = kp / BLOCK;
-    const size_t row_bytes = (size_t)kp * bits / 8;
-#pragma omp parallel for schedule(dynamic, chunk_rows(n)) num_threads(threads) if ((size_t)m * n * kp > PARALLEL_MACS)
-    for (int o = 0; o < n; o++) {
-        const uint8_t *wq = codes + o * row_bytes;
-        const float *wd = d + (size_t)o * nb, *wm = mins + (size_t)o * nb;
-        for (int r = 0; r < m; r += TILE) {
-            const int rows = m - r < TILE ? m - r : TILE;
-            float *yr = y + (size_t)r * ldy + o;
-            const int16_t *xr = xq + (size_t)r * kp;
-            const float *sr = sx + (size_t)r * nb, *xsr = xs + (size_t)r * nb;
-            if (bits == 4) {
-                FOR_TILE(u4_row, rows, yr, ldy, xr, sr, xsr, kp, wq, wd, wm)
+struct linear_q_args {
+    float *y;
+    int ldy, m, kp, bits;
+    const int16_t *xq;
+    const float *sx, *xs;
+    const uint8_t *codes;
+    struct scales scales;
+};
+
+// Output columns [begin, end) of linear_q.
+static void linear_q_rows(void *ctx, int begin, int end) {
+    const struct linear_q_args *a = ctx;
+    const int nb = a->kp / BLOCK, ldy = a->ldy, kp = a->kp;
+    const size_t row_bytes = (size_t)kp * a->bits / 8;
+    for (int o = begin; o < end; o++) {
+        const uint8_t *wq = a->codes + o * row_bytes;
+        const size_t row = (size_t)o * nb;
+        for (int r = 0; r < a->m; r += TILE) {
+            const int rows = a->m - r < TILE ? a->m - r : TILE;
+            float *yr = a->y + (size_t)r * ldy + o;
+            const int16_t *xr = a->xq + (size_t)r * kp;
+            const float *sr = a->sx + (size_t)r * nb, *xsr = a->xs + (size_t)r * nb;
+            if (a->bits == 4) {
+                FOR_TILE(u4_row, rows, yr, ldy, xr, sr, xsr, kp, wq, &a->scales, row)
             } else {
-                FOR_TILE(u8_row, rows, yr, ldy, xr, sr, xsr, kp, wq, wd, wm)
+                FOR_TILE(u8_row, rows, yr, ldy, xr, sr, xsr, kp, wq, &a->scales, row)
             }
         }
     }
+}
+
+// y[M, N] (row stride ldy) = x[M, k] (row stride ldx) @ w^T, w in u4 (bits 4) or u8
+// (bits 8) over kp columns with its block scales (struct scales: d, m or z, half):
+// x quantized first into xq [M, kp], sx and xs [M, kp / 32].
+void linear_q(float *y, int ldy, const float *x, int ldx, int m, int k, const int32_t *perm, int16_t *xq, float *sx,
+              float *xs, int kp, const uint8_t *codes, const void *d, const void *mins, const uint8_t *zeros, int half,
+              int n, int bits) {
+    const int nb = kp / BLOCK;
+    for (int r = 0; r < m; r++)
+        quantize_row(x + (size_t)r * ldx, k, kp, perm, xq + (size_t)r * kp, sx + (size_t)r * nb, xs + (size_t)r * nb);
+    struct linear_q_args a = {y, ldy, m, kp, bits, xq, sx, xs, codes, {d, mins, zeros, half}};
+    parallel_for(n, chunk_rows(n, (size_t)m * n * kp), linear_q_rows, &a);
 }
 
 // -- float weights ---------------------------------------------------------------------
@@ -250,8 +288,15 @@ static inline __attribute__((always_inline)) void float_row(const int rows, cons
     for (int r = 0; r < rows; r++) y[(size_t)r * ldy] = hsum(acc[r]);
 }
 
+struct linear_float_args {
+    float *y;
+    int ldy, ldx, m, k, kind, group;
+    const float *x, *scale;
+    const void *w;
+};
+
 #define FLOAT_ROWS(rows, kind) \
-    float_row(rows, kind, yr, ldy, xr, ldx, k, w, (size_t)o * k, scale ? scale + (size_t)o * groups : 0, group)
+    float_row(rows, kind, yr, a->ldy, xr, a->ldx, k, a->w, (size_t)o * k, a->scale ? a->scale + (size_t)o * groups : 0, a->group)
 #define FLOAT_TILE(kind)                               \
     switch (rows) {                                    \
         case 1: FLOAT_ROWS(1, kind); break;            \
@@ -260,18 +305,16 @@ static inline __attribute__((always_inline)) void float_row(const int rows, cons
         default: FLOAT_ROWS(4, kind); break;           \
     }
 
-// y[M, N] = x[M, K] @ (w[N, K] * scale[N, K / group])^T; K a multiple of 8 and of `group`
-// (scale may be null: all ones).
-void linear_float(float *y, int ldy, const float *x, int ldx, int m, int k, const void *w, int kind,
-                  const float *scale, int group, int n) {
-    const int groups = (k + group - 1) / group;
-#pragma omp parallel for schedule(dynamic, chunk_rows(n)) num_threads(threads) if ((size_t)m * n * k > PARALLEL_MACS)
-    for (int o = 0; o < n; o++) {
-        for (int r = 0; r < m; r += 4) {
-            const int rows = m - r < 4 ? m - r : 4;
-            float *yr = y + (size_t)r * ldy + o;
-            const float *xr = x + (size_t)r * ldx;
-            switch (kind) {
+// Output columns [begin, end) of linear_float.
+static void linear_float_rows(void *ctx, int begin, int end) {
+    const struct linear_float_args *a = ctx;
+    const int k = a->k, groups = (k + a->group - 1) / a->group;
+    for (int o = begin; o < end; o++) {
+        for (int r = 0; r < a->m; r += 4) {
+            const int rows = a->m - r < 4 ? a->m - r : 4;
+            float *yr = a->y + (size_t)r * a->ldy + o;
+            const float *xr = a->x + (size_t)r * a->ldx;
+            switch (a->kind) {
                 case F32: FLOAT_TILE(F32) break;
                 case BF16: FLOAT_TILE(BF16) break;
                 case F16: FLOAT_TILE(F16) break;
@@ -279,4 +322,12 @@ void linear_float(float *y, int ldy, const float *x, int ldx, int m, int k, cons
             }
         }
     }
+}
+
+// y[M, N] = x[M, K] @ (w[N, K] * scale[N, K / group])^T; K and `group` multiples of 8
+// (scale may be null: all ones).
+void linear_float(float *y, int ldy, const float *x, int ldx, int m, int k, const void *w, int kind,
+                  const float *scale, int group, int n) {
+    struct linear_float_args a = {y, ldy, ldx, m, k, kind, group, x, scale, w};
+    parallel_for(n, chunk_rows(n, (size_t)m * n * k), linear_float_rows, &a);
 }

@@ -103,16 +103,20 @@ def test_gguf_rows_of_an_odd_number_of_blocks_are_padded(kernels):
 
 def test_quantized_forms_hold_the_stored_bytes_not_float32():
     w = rng.standard_normal((64, 512)).astype(np.float32)
-    assert repack(_gguf(w, GGML.Q4_1)).nbytes == 64 * 512 * 3 // 4  # a nibble a weight, two float32 a block
-    assert repack(_gguf(w, GGML.Q8_0)).nbytes == 64 * 512 * 5 // 4
+    assert repack(_gguf(w, GGML.Q4_1)).nbytes == 64 * 512 * 5 // 8  # a nibble a weight, two float16 a block: as GGUF
+    assert repack(_gguf(w, GGML.Q8_0)).nbytes == 64 * 512 * 35 // 32  # a byte a weight, a float16 and a zero point a block
     assert repack(Fp8Weight.quantize(w)).nbytes == 64 * 512 + 64 * 4
 
 
 def test_layer_ops_match_the_numpy_reference(kernels):
     x, w = rng.standard_normal((5, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)
     out = np.empty_like(x)
-    kernels.rms_norm(addr(out), addr(x), addr(w), 5, 64, 1e-5)
+    kernels.rms_norm(addr(out), addr(x), None, addr(w), 5, 64, 1e-5)
     np.testing.assert_allclose(out, ref.rms_norm(x, w, 1e-5), atol=1e-5)
+    delta, residual = rng.standard_normal((5, 64)).astype(np.float32), x.copy()
+    kernels.rms_norm(addr(out), addr(residual), addr(delta), addr(w), 5, 64, 1e-5)  # (the residual's add, fused)
+    np.testing.assert_allclose(residual, x + delta, atol=1e-6)
+    np.testing.assert_allclose(out, ref.rms_norm(x + delta, w, 1e-5), atol=1e-5)
 
     gate_up = rng.standard_normal((5, 96)).astype(np.float32) * 6
     out = np.empty((5, 48), np.float32)

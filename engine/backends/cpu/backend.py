@@ -71,8 +71,7 @@ class _CpuStepOps(_StepOps):
     def __init__(self, backend: "CpuBackend", batch: list[ScheduledSeq], residual: np.ndarray, scratch: _Scratch):
         super().__init__(backend, batch, residual)
         self.kernels, self.scratch, self.tokens = backend.kernels, scratch, len(residual)
-        self.stream = Buffer(residual)  # (the residual stream, added to in place)
-        self.residual = self.stream.array
+        self.pending: Buffer | None = None  # added to the residual stream by the next RMSNorm
         self.kept = [np.ascontiguousarray(a, dtype) for a, dtype in (
             (self.cos, np.float32), (self.sin, np.float32), (self.new_slots, np.int64), (self.bounds[:-1], np.int32),
             ([s.num_tokens for s in batch], np.int32), ([s.start for s in batch], np.int32),
@@ -81,14 +80,29 @@ class _CpuStepOps(_StepOps):
         (self.cos_ptr, self.sin_ptr, self.new_slots_ptr, self.q_rows, self.num_tokens, self.starts, self.slots,
          self.slot_at) = (addr(a) for a in self.kept)
 
+    def _add_pending(self) -> None:
+        if self.pending is not None:
+            self.kernels.add_to(self.stream.ptr, self.pending.ptr, self.pending.array.size)
+            self.pending = None
+
+    @property
+    def residual(self) -> np.ndarray:
+        self._add_pending()
+        return self.stream.array
+
+    @residual.setter
+    def residual(self, value: np.ndarray) -> None:
+        self.stream = Buffer(value)  # (the residual stream, added to in place)
+
     def at_layer(self, i: int) -> None:
         self.weights = self.backend.layers[i]
         self.k_cache, self.v_cache = self.backend.kv_pointers[i]
 
     def rms_norm(self, weight: str) -> Buffer:
         out = self.scratch.buffer("normed", self.config.hidden_size)
-        self.kernels.rms_norm(out.ptr, self.stream.ptr, self.weights[weight].ptr, self.tokens, self.config.hidden_size,
-                              self.config.rms_norm_eps)
+        delta, self.pending = self.pending, None
+        self.kernels.rms_norm(out.ptr, self.stream.ptr, None if delta is None else delta.ptr, self.weights[weight].ptr, self.tokens,
+                              self.config.hidden_size, self.config.rms_norm_eps)
         return out
 
     def linear(self, x: Buffer, weight: str) -> Buffer:
@@ -123,7 +137,8 @@ class _CpuStepOps(_StepOps):
         return out
 
     def add_to_residual(self, x: Buffer) -> None:
-        self.kernels.add_to(self.stream.ptr, x.ptr, x.array.size)
+        self._add_pending()
+        self.pending = x
 
 
 class CpuBackend(NumpyBackend):
@@ -166,6 +181,6 @@ class CpuBackend(NumpyBackend):
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         hidden = np.ascontiguousarray(hidden)
         normed = np.empty_like(hidden)
-        self.kernels.rms_norm(addr(normed), addr(hidden), addr(self.final_norm), len(hidden), self.config.hidden_size,
-                              self.config.rms_norm_eps)
+        self.kernels.rms_norm(addr(normed), addr(hidden), None, addr(self.final_norm), len(hidden),
+                              self.config.hidden_size, self.config.rms_norm_eps)
         return self.lm_head(self.kernels, normed)

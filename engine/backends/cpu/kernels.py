@@ -1,5 +1,5 @@
 """The kernels of cpu_src/ as Python sees them: compiled once for this CPU by the C
-compiler (-O3 -march=native, OpenMP), cached, and each bound with its argument types.
+compiler (-O3 -march=native), cached, and each bound with its argument types.
 
 The library is cached under $XDG_CACHE_HOME/llamastream (~/.cache/llamastream), named
 by a hash of the sources, the compiler's version and flags and this CPU's model: a new
@@ -22,23 +22,19 @@ from pathlib import Path
 import numpy as np
 
 CPU_SRC = Path(__file__).resolve().parents[3] / "cpu_src"
-SOURCES = ("linear.c", "layer.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-# A thread that waits for work (or for the others at a region's end) spins this many
-# turns before it sleeps and gives its core back: about 10 us, longer than the Python
-# between two kernels of a step, shorter than what a core lent to the server's other
-# threads (or another process) would cost a step if the waiting held on to it.
-SPIN_COUNT = "10000"
+SOURCES = ("pool.c", "linear.c", "layer.c")
+# as read at import: a process builds and loads the kernels its own Python was written for
+TEXTS = {name: (CPU_SRC / name).read_text() for name in SOURCES + ("common.h",)}
+FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11")
 COMPILER = os.environ.get("CC", "cc")
 
 log = logging.getLogger("llamastream.engine")
 
 P, I, F, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
 SIGNATURES = {  # function: argument types (as in cpu_src/)
-    "quantize_rows": (P, I, I, I, I, P, P, P, P),
-    "linear_q": (P, I, P, P, P, I, I, P, P, P, I, I),
+    "linear_q": (P, I, P, I, I, I, P, P, P, P, I, P, P, P, P, I, I, I),
     "linear_float": (P, I, P, I, I, I, P, I, P, I, I),
-    "rms_norm": (P, P, P, I, I, F),
+    "rms_norm": (P, P, P, P, I, I, F),
     "add_to": (P, P, Z),
     "silu_and_mul": (P, P, I, I),
     "rope_and_cache": (P, I, I, I, I, P, P, P, P, P),
@@ -51,13 +47,12 @@ class CompilerMissing(RuntimeError):
 
 
 def _cpu_model() -> str:
+    """This CPU's model and features (what -march=native compiles for)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    return "\n".join(next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags"))
 
 
 def _library_path() -> Path:
@@ -66,7 +61,7 @@ def _library_path() -> Path:
         raise CompilerMissing(f"no C compiler ({COMPILER}) is on PATH: install gcc (apt-get install gcc), or set CC")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in [version, " ".join(FLAGS), _cpu_model()] + [(CPU_SRC / f).read_text() for f in SOURCES + ("common.h",)]:
+    for part in [version, " ".join(FLAGS), _cpu_model(), *TEXTS.values()]:
         digest.update(part.encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llamastream"
     return cache / f"cpu-kernels-{digest.hexdigest()[:16]}.so"
@@ -77,11 +72,13 @@ def _compile(target: Path) -> None:
     log.info("compiling the CPU kernels for this CPU, once (cached as %s)", target)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        for name, text in TEXTS.items():
+            (Path(tmp) / name).write_text(text)
         objects = []
         for i, source in enumerate(SOURCES):
             log.info("compiling cpu_src/%s (%d of %d)", source, i + 1, len(SOURCES))
             objects.append(str(Path(tmp) / f"{source}.o"))
-            _run([COMPILER, *FLAGS, "-c", "-o", objects[-1], str(CPU_SRC / source)])
+            _run([COMPILER, *FLAGS, "-c", "-o", objects[-1], str(Path(tmp) / source)])
         _run([COMPILER, *FLAGS, "-o", str(Path(tmp) / target.name), *objects])
         os.replace(Path(tmp) / target.name, target)  # (atomic: of servers starting together, one wins)
     log.info("compiled the CPU kernels in %.1f s", time.perf_counter() - started)
@@ -97,7 +94,6 @@ class CpuKernels:
     """cpu_src/'s functions, each an attribute of its name taking addresses and numbers."""
 
     def __init__(self, threads: int):
-        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)  # (read once, as OpenMP's library loads)
         path = _library_path()
         if not path.exists():
             _compile(path)

@@ -34,9 +34,11 @@ E4M3_AS_F16 = 256.0  # linear.c reads an e4m3 byte as a float16 of its value / 2
 
 @dataclass(frozen=True)
 class CpuLinear:
-    """A weight [n, k] as one of the kernels' forms. u4/u8: codes, and d and m per block
-    of 32, over kp >= k columns (zero blocks pad a row to the kernel's width). float:
-    codes in `kind`, and `scale` per row and group of `group` columns (or None).
+    """A weight [n, k] as one of the kernels' forms. u4/u8: codes over kp >= k columns
+    (zero blocks pad a row to the kernel's width), and per block of 32 a scale d and an
+    offset m, or a zero point z (m = -d z); d and m float16 where that is exact (the
+    checkpoint's own scales, as few bytes as it stores), else float32. float: codes in
+    `kind`, and `scale` per row and group of `group` columns (or None).
     `perm`: the input column each of kp reads, where a checkpoint reordered them."""
 
     form: str  # "u4", "u8" or "float"
@@ -46,6 +48,7 @@ class CpuLinear:
     kp: int
     d: np.ndarray | None = None
     m: np.ndarray | None = None
+    z: np.ndarray | None = None
     kind: str = "f32"
     scale: np.ndarray | None = None
     group: int = 0
@@ -54,7 +57,7 @@ class CpuLinear:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.codes, self.d, self.m, self.scale) if a is not None)
+        return sum(a.nbytes for a in (self.codes, self.d, self.m, self.z, self.scale) if a is not None)
 
     @property
     def dtype(self) -> str:
@@ -63,19 +66,19 @@ class CpuLinear:
                                                               "f16": "float16"}.get(self.kind, "float32")
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "pointers", tuple(addr(a) for a in (self.codes, self.d, self.m, self.scale, self.perm)))
+        object.__setattr__(self, "pointers", tuple(addr(a) for a in (self.codes, self.d, self.m, self.z, self.scale,
+                                                                     self.perm)))
 
     def multiply(self, kernels: CpuKernels, y: int, x: int, ldx: int, rows: int, scratch: "QuantizedRows") -> None:
         """y [rows, n] = x [rows, k] (row stride ldx) @ w^T, float32 at those addresses;
         `scratch` holds x quantized (u4, u8)."""
-        codes, d, m, scale, perm = self.pointers
+        codes, d, m, z, scale, perm = self.pointers
         if self.form == "float":
             kernels.linear_float(y, self.n, x, ldx, rows, self.k, codes, FLOAT_KINDS[self.kind], scale, self.group,
                                  self.n)
             return
-        kernels.quantize_rows(x, ldx, rows, self.k, self.kp, perm, scratch.xq, scratch.sx, scratch.xs)
-        kernels.linear_q(y, self.n, scratch.xq, scratch.sx, scratch.xs, rows, self.kp, codes, d, m, self.n,
-                         4 if self.form == "u4" else 8)
+        kernels.linear_q(y, self.n, x, ldx, rows, self.k, perm, scratch.xq, scratch.sx, scratch.xs, self.kp, codes, d,
+                         m, z, self.d.dtype == np.float16, self.n, 4 if self.form == "u4" else 8)
 
     def __call__(self, kernels: CpuKernels, x: np.ndarray) -> np.ndarray:
         """x [rows, k] float32 @ w^T: [rows, n] float32."""
@@ -86,7 +89,7 @@ class CpuLinear:
 
 
 class QuantizedRows:
-    """Room for `rows` activation rows of up to `columns` quantized (linear.c's quantize_rows)."""
+    """Room for `rows` activation rows of up to `columns` quantized (linear.c's linear_q)."""
 
     def __init__(self, rows: int, columns: int):
         self.arrays = (np.empty(rows * columns, np.int16), np.empty(rows * columns // BLOCK, np.float32),
@@ -115,12 +118,13 @@ def _float(codes: np.ndarray, kind: str, scale: np.ndarray | None = None, group:
     return CpuLinear("float", np.ascontiguousarray(codes), n, k, k, kind=kind, scale=scale, group=group or k)
 
 
-def _blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int, k: int, perm: np.ndarray | None = None) -> CpuLinear:
-    """u4 or u8 from q [n, blocks, 32] (0..15 or 0..255), d and m [n, blocks]."""
+def _blocks(q: np.ndarray, d: np.ndarray, bits: int, k: int, *, m: np.ndarray | None = None,
+            z: np.ndarray | None = None, perm: np.ndarray | None = None) -> CpuLinear:
+    """u4 or u8 from q [n, blocks, 32] (0..15 or 0..255), d and m or z [n, blocks]."""
     n, blocks, _ = q.shape
     if bits == 4 and blocks % 2:  # (u4 pairs blocks: a zero block completes the last pair)
         q = np.concatenate([q, np.zeros((n, 1, BLOCK), np.uint8)], axis=1)
-        d, m = (np.concatenate([a, np.zeros((n, 1), np.float32)], axis=1) for a in (d, m))
+        d, m, z = (None if a is None else np.concatenate([a, np.zeros((n, 1), a.dtype)], axis=1) for a in (d, m, z))
         blocks += 1
     grouped = blocks // GROUP * GROUP
     # linear.c's GROUP_LAYOUT: [rows, groups, vector j, block i, weight 2j + t] for the groups
@@ -131,8 +135,11 @@ def _blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int, k: int, perm
     else:
         parts = [groups, q[:, grouped:]]
     codes = np.concatenate([part.reshape(n, -1) for part in parts], axis=1)
-    return CpuLinear(f"u{bits}", np.ascontiguousarray(codes, np.uint8), n, k, blocks * BLOCK,
-                     d=np.ascontiguousarray(d, np.float32), m=np.ascontiguousarray(m, np.float32), perm=perm)
+    scales = [a for a in (d, m) if a is not None]
+    half = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in scales)
+    d, m = (None if a is None else np.ascontiguousarray(a, np.float16 if half else np.float32) for a in (d, m))
+    return CpuLinear(f"u{bits}", np.ascontiguousarray(codes, np.uint8), n, k, blocks * BLOCK, d=d, m=m,
+                     z=None if z is None else np.ascontiguousarray(z, np.uint8), perm=perm)
 
 
 def _from_gguf(w: GgufWeight) -> CpuLinear:
@@ -142,20 +149,21 @@ def _from_gguf(w: GgufWeight) -> CpuLinear:
     if w.kind == GGML.Q8_0:
         d = f16(raw[..., 0:2])
         q = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return _blocks(q, d, -128 * d, 8, k)
+        return _blocks(q, d, 8, k, z=np.full(d.shape, 128))
     if w.kind in (GGML.Q4_0, GGML.Q4_1):
         d = f16(raw[..., 0:2])
-        m = -8 * d if w.kind == GGML.Q4_0 else f16(raw[..., 2:4])
         packed = raw[..., -16:]  # byte j: weight j (low nibble), weight j + 16 (high)
         q = np.concatenate([packed & 0xF, packed >> 4], axis=-1)
-        return _blocks(q, d, m, 4, k)
+        if w.kind == GGML.Q4_0:
+            return _blocks(q, d, 4, k, z=np.full(d.shape, 8))
+        return _blocks(q, d, 4, k, m=f16(raw[..., 2:4]))
     if w.kind == GGML.Q4_K:  # super-blocks of 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
         supers = raw.reshape(-1, raw.shape[-1])
         d, dmin = f16(supers[:, 0:2])[:, None], f16(supers[:, 2:4])[:, None]
         sc, mn = Q4_K.get_scale_min(supers[:, 4:16])
         packed = supers[:, 16:].reshape(-1, 4, BLOCK)  # chunk c: sub-block 2c low, 2c + 1 high (u4's own order)
         q = np.stack([packed & 0xF, packed >> 4], axis=2).reshape(n, -1, BLOCK)
-        return _blocks(q, (d * sc).reshape(n, -1), (-dmin * mn).reshape(n, -1), 4, k)
+        return _blocks(q, (d * sc).reshape(n, -1), 4, k, m=(-dmin * mn).reshape(n, -1))
     raise ValueError(f"no CPU kernel reads GGUF {w.kind.name}")
 
 
@@ -178,8 +186,7 @@ def _from_int4(w: Int4Weight) -> CpuLinear:
     codes = w.codes if perm is None else w.codes[:, perm]
     q = np.pad(codes, ((0, 0), (0, padded - k))).reshape(n, -1, BLOCK)
     g = block_group[:, 0]
-    d = w.scale[:, g]
-    return _blocks(q, d, -d * w.zero[:, g].astype(np.float32), 4, k, perm)
+    return _blocks(q, w.scale[:, g], 4, k, z=w.zero[:, g], perm=perm)
 
 
 def _from_fp8(w: Fp8Weight) -> CpuLinear:
