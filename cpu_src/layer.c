@@ -94,6 +94,21 @@ void rope_and_cache(float *qkv, int rows, int heads, int kv_heads, int d, const 
     }
 }
 
+// scores[j] = e^(scores[j] - top) for j < n; returns their sum
+static float softmax_numerators(float *scores, int n, float top) {
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 t = _mm256_set1_ps(top);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), t));
+        _mm256_storeu_ps(scores + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float total = hsum(sum);
+    for (; j < n; j++) total += scores[j] = expf(scores[j] - top);
+    return total;
+}
+
 struct attention_args {
     float *out;
     const float *qkv, *k_cache, *v_cache;
@@ -132,11 +147,7 @@ static void attention_tasks(void *ctx, int begin, int end) {
                     scores[j] = hsum(acc) * a->scale;
                     top = fmaxf(top, scores[j]);
                 }
-                float total = 0.0f;
-                for (int j = 0; j < visible; j++) {
-                    scores[j] = expf(scores[j] - top);
-                    total += scores[j];
-                }
+                float total = softmax_numerators(scores, visible, top);
                 float *o = a->out + (size_t)(a->q_row[s] + t) * heads * d + h * d;
                 for (int i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
                 for (int j = 0; j < visible; j++) {

@@ -331,3 +331,17 @@ void linear_float(float *y, int ldy, const float *x, int ldx, int m, int k, cons
     struct linear_float_args a = {y, ldy, ldx, m, k, kind, group, x, scale, w};
     parallel_for(n, chunk_rows(n, (size_t)m * n * k), linear_float_rows, &a);
 }
+
+// linear_q and linear_float with their arguments in one array, in order (pointers and
+// ints alike as int64): a step makes the same call every layer, so the caller packs
+// them once rather than converting 18 arguments at each call.
+void linear_q_packed(const int64_t *a) {
+    linear_q((float *)a[0], (int)a[1], (const float *)a[2], (int)a[3], (int)a[4], (int)a[5], (const int32_t *)a[6],
+             (int16_t *)a[7], (float *)a[8], (float *)a[9], (int)a[10], (const uint8_t *)a[11], (const void *)a[12],
+             (const void *)a[13], (const uint8_t *)a[14], (int)a[15], (int)a[16], (int)a[17]);
+}
+
+void linear_float_packed(const int64_t *a) {
+    linear_float((float *)a[0], (int)a[1], (const float *)a[2], (int)a[3], (int)a[4], (int)a[5], (const void *)a[6],
+                 (int)a[7], (const float *)a[8], (int)a[9], (int)a[10]);
+}

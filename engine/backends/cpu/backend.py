@@ -16,7 +16,7 @@ import numpy as np
 from gguf import dequantize
 
 from engine.backends.cpu.kernels import CpuKernels, addr
-from engine.backends.cpu.weights import CpuLinear, QuantizedRows, repack
+from engine.backends.cpu.weights import CpuLinear, PackedCall, QuantizedRows, repack
 from engine.backends.numpy_backend import NumpyBackend, _StepOps, head_rms_norm
 from engine.config import ModelConfig
 from engine.quantization.gguf import GgufWeight
@@ -57,6 +57,16 @@ class _Scratch:
         self.tokens = tokens
         self.quantized = QuantizedRows(tokens, columns)
         self._buffers: dict[str, Buffer] = {}
+        self._products: dict[tuple[int, int, int], PackedCall] = {}
+
+    def product(self, kernels: CpuKernels, w: CpuLinear, x: Buffer, out: Buffer) -> PackedCall:
+        """out = x @ w^T, as a call made once for these buffers and kept."""
+        key = (id(w), x.ptr, out.ptr)
+        call = self._products.get(key)
+        if call is None:
+            call = self._products[key] = w.product(kernels, out.ptr, x.ptr, x.array.shape[1], self.tokens,
+                                                   self.quantized)
+        return call
 
     def buffer(self, name: str, columns: int) -> Buffer:
         b = self._buffers.get(name)
@@ -108,7 +118,7 @@ class _CpuStepOps(_StepOps):
     def linear(self, x: Buffer, weight: str) -> Buffer:
         w: CpuLinear = self.weights[weight]
         out = self.scratch.buffer(weight, w.n)
-        w.multiply(self.kernels, out.ptr, x.ptr, x.array.shape[1], self.tokens, self.scratch.quantized)
+        self.scratch.product(self.kernels, w, x, out)()
         return out
 
     def head_rms_norm(self, qkv: Buffer, q_weight: str, k_weight: str) -> Buffer:

@@ -69,23 +69,42 @@ class CpuLinear:
         object.__setattr__(self, "pointers", tuple(addr(a) for a in (self.codes, self.d, self.m, self.z, self.scale,
                                                                      self.perm)))
 
-    def multiply(self, kernels: CpuKernels, y: int, x: int, ldx: int, rows: int, scratch: "QuantizedRows") -> None:
-        """y [rows, n] = x [rows, k] (row stride ldx) @ w^T, float32 at those addresses;
-        `scratch` holds x quantized (u4, u8)."""
+    def product(self, kernels: CpuKernels, y: int, x: int, ldx: int, rows: int,
+                scratch: "QuantizedRows") -> "PackedCall":
+        """The call that makes y [rows, n] = x [rows, k] (row stride ldx) @ w^T, float32 at
+        those addresses (`scratch` holds x quantized: u4, u8), its arguments packed once:
+        a step of as many rows makes the same call again."""
         codes, d, m, z, scale, perm = self.pointers
         if self.form == "float":
-            kernels.linear_float(y, self.n, x, ldx, rows, self.k, codes, FLOAT_KINDS[self.kind], scale, self.group,
-                                 self.n)
-            return
-        kernels.linear_q(y, self.n, x, ldx, rows, self.k, perm, scratch.xq, scratch.sx, scratch.xs, self.kp, codes, d,
-                         m, z, self.d.dtype == np.float16, self.n, 4 if self.form == "u4" else 8)
+            fn = kernels.linear_float_packed
+            args = (y, self.n, x, ldx, rows, self.k, codes, FLOAT_KINDS[self.kind], scale, self.group, self.n)
+        else:
+            fn = kernels.linear_q_packed
+            args = (y, self.n, x, ldx, rows, self.k, perm, scratch.xq, scratch.sx, scratch.xs, self.kp, codes, d, m, z,
+                    self.d.dtype == np.float16, self.n, 4 if self.form == "u4" else 8)
+        return PackedCall(fn, args)
 
     def __call__(self, kernels: CpuKernels, x: np.ndarray) -> np.ndarray:
         """x [rows, k] float32 @ w^T: [rows, n] float32."""
         x = np.ascontiguousarray(x, np.float32)
         y = np.empty((len(x), self.n), np.float32)
-        self.multiply(kernels, addr(y), addr(x), self.k, len(x), QuantizedRows(len(x), self.kp))
+        scratch = QuantizedRows(len(x), self.kp)  # (held while the call runs)
+        self.product(kernels, addr(y), addr(x), self.k, len(x), scratch)()
         return y
+
+
+class PackedCall:
+    """A kernel call whose arguments (addresses and ints) it holds packed in an array, as
+    linear.c's *_packed functions take them."""
+
+    __slots__ = ("fn", "args", "ptr")
+
+    def __init__(self, fn, args: tuple):
+        self.fn, self.args = fn, np.array([a or 0 for a in args], np.int64)
+        self.ptr = addr(self.args)
+
+    def __call__(self) -> None:
+        self.fn(self.ptr)
 
 
 class QuantizedRows:
