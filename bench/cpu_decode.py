@@ -22,7 +22,7 @@ is installed (a fork too). A column an engine cannot fill says why.
 Each figure is beside its ceiling: the batch over the floor of a step's time, the weight
 bytes one step reads, as stored (quantized blocks; the tied embedding counted whole, as
 the head that reads it all, plus the rows its lookup reads), over this machine's memory
-read bandwidth (numpy sums of a 512 MiB array, one part a thread, measured here). The
+read bandwidth (numpy's maximum of a 512 MiB array, one part a thread, measured here). The
 KV cache's reads are left out of the floor: at these lengths they are a few MB a sequence.
 """
 
@@ -69,11 +69,12 @@ def memory_bandwidth() -> float:
 
 
 def read_bandwidth(threads: int) -> float:
-    """Bytes per second read by `threads` threads summing their parts of a 512 MiB array
-    (numpy lets go of the GIL in a sum): what a decode step's weight reads can reach."""
+    """Bytes per second read by `threads` threads each taking the maximum of its part of a
+    512 MiB array (numpy lets go of the GIL in it): what a decode step's weight reads can
+    reach. (A maximum, not a sum: numpy's float32 sum is slower than memory even in cache.)"""
     parts = np.array_split(np.ones(2**29 // 4, dtype=np.float32), threads)
     with ThreadPoolExecutor(threads) as pool:
-        best = min(_timed(lambda: list(pool.map(np.sum, parts))) for _ in range(5))
+        best = min(_timed(lambda: list(pool.map(np.max, parts))) for _ in range(5))
     return sum(p.nbytes for p in parts) / best
 
 
@@ -157,8 +158,9 @@ def llama_cpp(python: str | None, path: Path, prompts: list[list[int]], new_toke
         return None, "llama-cpp-python is not installed: `make bench-cpu` builds it into .venv-bench"
     if shutil.which(python) is None:
         return None, f"{python} does not exist: `make bench-cpu` builds llama-cpp-python into .venv-bench"
-    run = subprocess.run([python, str(ROOT / "bench" / "llama_cpp_decode.py"), str(path), "--threads", str(threads),
-                          "--new-tokens", str(new_tokens), "--repeats", str(repeats)], input=json.dumps(prompts), capture_output=True, text=True)
+    command = [python, str(ROOT / "bench" / "llama_cpp_decode.py"), str(path), "--threads", str(threads),
+               "--new-tokens", str(new_tokens), "--repeats", str(repeats)]
+    run = subprocess.run(command, input=json.dumps(prompts), capture_output=True, text=True)
     if run.returncode != 0:
         return None, f"bench/llama_cpp_decode.py failed ({run.returncode}): {run.stderr.strip()[-2000:]}"
     result = json.loads(run.stdout)
@@ -203,7 +205,8 @@ def transformers_tps(path: Path, prompts: list[list[int]], new_tokens: int, thre
         return elapsed
 
     generate(WARMUP_TOKENS)
-    return new_tokens * len(prompts) / min(generate(new_tokens) for _ in range(repeats)), f"transformers float32, torch {torch.__version__}"
+    seconds = min(generate(new_tokens) for _ in range(repeats))
+    return new_tokens * len(prompts) / seconds, f"transformers float32, torch {torch.__version__}"
 
 
 def cpu_name() -> str:
@@ -272,9 +275,11 @@ def main() -> None:
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(f"date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; llamastream {commit()}; "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{args.new_tokens} greedy tokens a sequence; tok/s (in brackets: of the ceiling, batch x bandwidth / bytes)")
+    print(f"{args.new_tokens} greedy tokens a sequence, best of {args.repeats}; tok/s (in brackets: of the ceiling, "
+          "the batch over the floor, bytes a step / bandwidth)")
     columns = [*backends, "llama.cpp", "transformers"]
-    header = f"{'model':<26} | {'batch':>5} | {'MB/step':>7} | {'ceiling':>7} | " + " | ".join(f"{c:>14}" for c in columns)
+    header = " | ".join([f"{'model':<26}", f"{'batch':>5}", f"{'MB/step':>7}", f"{'floor ms':>8}", f"{'ceiling':>7}",
+                         *(f"{c:>14}" for c in columns)])
     print(header)
     print("-" * len(header))
     notes: dict[str, list[str]] = {}  # a column's note: the rows it is true of
@@ -283,7 +288,8 @@ def main() -> None:
         prompts = prompts_for(model)
         for batch in batches:
             ps = prompts[:batch]
-            ceiling = batch * bandwidth / step_bytes(model, batch)
+            floor = step_bytes(model, batch) / bandwidth
+            ceiling = batch / floor
             row = f"{label} batch {batch}"
             cells = []
             for name in backends:
@@ -307,8 +313,9 @@ def main() -> None:
             notes.setdefault(f"transformers: {note}", []).append(row)
             cells.append(tps)
             text = [f"{t:7.1f} ({t / ceiling:3.0%})" if t else f"{'-':>14}" for t in cells]
-            print(f"{label:<26} | {batch:>5} | {step_bytes(model, batch) / 1e6:7.1f} | {ceiling:7.1f} | "
-                  + " | ".join(text), flush=True)
+            megabytes = step_bytes(model, batch) / 1e6
+            print(" | ".join([f"{label:<26}", f"{batch:>5}", f"{megabytes:7.1f}", f"{floor * 1e3:8.2f}",
+                             f"{ceiling:7.1f}", *text]), flush=True)
         del model
     rows = sum(len(b) for _, _, b in cases)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
