@@ -145,9 +145,9 @@ class StepTimeline:
                 event.record(backend.stream)
             return event
 
-        def timed_launch(batch):
+        def timed_launch(batch, masks=None):
             begin = mark()
-            wait = launch(batch)
+            wait = launch(batch, masks)
             end = mark()
             record = {"prefill": any(s.start < len(s.seq.prompt_ids) for s in batch), "rows": len(batch),
                       "events": (begin, end), "blocked": 0.0}

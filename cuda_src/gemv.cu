@@ -1,3 +1,5 @@
+#include <cuda_fp8.h>
+
 #include "activation.cuh"
 #include "rmsnorm.cuh"
 #include "rope.cuh"
@@ -35,15 +37,37 @@
 //   gemv_add:          residual += bf16(y) (add_rmsnorm's residual add), instead of storing y
 // The oracles: numpy's x @ w.T for gemv, and the separate kernels for the variants
 // (tests/gpu/test_kernels.py).
+//
+// Each kernel comes in two weight formats (WeightFormat): bfloat16, and FP8 (e4m3
+// codes, 16 to a lane's 16-byte load, times float32 scales: one per output row, or one
+// per 128 x 128 block as Hugging Face's fp8 checkpoints store them). The FP8 kernels
+// (name_fp8) sum code * x in float32 and scale each row's sum (each block's part of it,
+// for block scales) once; their oracle is numpy's x @ (codes * scales).T
+// (tests/gpu/test_quantized.py).
 #define GEMV_WARPS 8  // 256 threads: the block add_rmsnorm reduces a row over (rmsnorm.cuh)
 #define UNROLL 8
-#define SPAN (32 * 8)  // weights one warp reads with one load per lane
+#define SPAN (32 * 8)  // bfloat16 weights one warp reads with one load per lane
+#define FP8_BLOCK 128  // rows and columns of a block scale
+
+enum WeightFormat { W_BF16, W_FP8 };
+// Weights in a lane's 16-byte load.
+template <WeightFormat W> constexpr int COLS = W == W_BF16 ? 8 : 16;
+
+// A linear's weight as the GEMVs read it: its rows of d_in values, and an FP8 weight's
+// scales, w[o, i] = code[o, i] * scale[o] (scale_cols == 0), or
+// code[o, i] * scale[o / 128, i / 128] ([ceil(d_out / 128), scale_cols] block scales).
+struct WeightRef {
+    const uint8_t* data;
+    const float* scale;
+    int scale_cols;
+};
 
 // Warps a row of w is split over: a power of two, each slice at least UNROLL loads
 // wide (bench/profile_step.py's gemv rows). Mirrored by cuda_kernels.gemv_split.
-__host__ __device__ __forceinline__ int gemv_split(int d_in) {
+template <WeightFormat W>
+__device__ __forceinline__ int gemv_split(int d_in) {
     int split = 1;
-    while (split < GEMV_WARPS && d_in >= 2 * split * SPAN * UNROLL) split *= 2;
+    while (split < GEMV_WARPS && d_in >= 2 * split * 32 * COLS<W> * UNROLL) split *= 2;
     return split;
 }
 // At least 4 blocks an SM (32 warps, 128 KB of weights in flight).
@@ -93,13 +117,32 @@ __device__ __forceinline__ void store_rope_pair(bf16* __restrict__ qkv, const Ro
     rope_rotate(x1, x2, cs, x[i], x[i + half]);
 }
 
-// UNROLL of a lane's 16-byte pieces of a weight row, from column `first` on (zeros from `end`).
-__device__ __forceinline__ void load_weights(uint4* raw, const bf16* __restrict__ w_row, int first, int end) {
+// UNROLL of a lane's 16-byte pieces of a weight row, from column `first` on (zeros from
+// `end`), the row read by `lanes` lanes.
+template <WeightFormat W>
+__device__ __forceinline__ void load_weights(uint4* raw, const uint8_t* __restrict__ w_row, int first, int end, int lanes) {
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
-        const int c = first + u * SPAN;
-        raw[u] = c < end ? __ldg(reinterpret_cast<const uint4*>(w_row + c)) : make_uint4(0, 0, 0, 0);
+        const int c = first + u * lanes * COLS<W>;
+        raw[u] = c < end ? __ldg(reinterpret_cast<const uint4*>(w_row + (size_t)c * 16 / COLS<W>)) : make_uint4(0, 0, 0, 0);
     }
+}
+
+// 8 e4m3 codes (two words of a 16-byte load) to float32, by the hardware's pairwise conversion.
+__device__ __forceinline__ void unpack_e4m3x8(uint32_t lo, uint32_t hi, float* out) {
+    const uint32_t words[2] = {lo, hi};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __nv_fp8x2_storage_t pair = (words[i / 2] >> (16 * (i % 2))) & 0xFFFF;
+        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float* out) {
+    unpack_e4m3x8(raw.x, raw.y, out);
+    unpack_e4m3x8(raw.z, raw.w, out + 8);
 }
 
 // Writes RMSNorm(residual) with `norm_weight` to `staged` ([d_in], bfloat16).
@@ -111,37 +154,63 @@ __device__ __forceinline__ void stage_rmsnorm(bf16* staged, const float* residua
     scale_row(x, norm_weight, staged, d_in, inv_rms);
 }
 
-// This lane's share of x[begin:end] . w_row[begin:end], with its first UNROLL pieces
-// already in raw; leaves the first pieces of next_row's slice (if any) in raw.
+// 8 bfloat16 values of x at c (read-only global memory, or shared memory) as float32.
 template <GemvInput IN>
-__device__ __forceinline__ float gemv_slice(uint4* raw, const bf16* x, const bf16* __restrict__ w_row,
-                                            const bf16* __restrict__ next_row, int lane, int begin, int end) {
+__device__ __forceinline__ void load_x8(const bf16* x, int c, float* out) {
+    if constexpr (IN == X_GIVEN) load_bf16x8(x + c, out);
+    else unpack_bf16x8(*reinterpret_cast<const uint4*>(x + c), out);  // (shared memory)
+}
+
+// This lane's share of x[begin:end] . w_row[begin:end], with its first UNROLL pieces
+// already in raw; leaves the first pieces of next_row's slice (if any) in raw. For FP8
+// the sum of codes times x, each 128-column block's part times `block_scales`' entry
+// for it where given (the row's block scales), else left for the row's scale.
+template <GemvInput IN, WeightFormat W>
+__device__ __forceinline__ float gemv_slice(uint4* raw, const bf16* x, const uint8_t* __restrict__ w_row,
+                                            const uint8_t* __restrict__ next_row, const float* __restrict__ block_scales,
+                                            int lane, int lanes, int begin, int end) {
+    constexpr int C = COLS<W>;
+    const int STEP = lanes * C;
     float acc = 0.f;
-    for (int base = begin + lane * 8; base < end; base += SPAN * UNROLL) {
+    for (int base = begin + lane * C; base < end; base += STEP * UNROLL) {
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
-            const int c = base + u * SPAN;
+            const int c = base + u * STEP;
             if (c >= end) break;
-            float wf[8];
-            unpack_bf16x8(raw[u], wf);
-            float xf[8];
-            if constexpr (IN == X_GIVEN) load_bf16x8(x + c, xf);
-            else unpack_bf16x8(*reinterpret_cast<const uint4*>(x + c), xf);  // (shared memory)
+            float wf[8], xf[8];
+            if constexpr (W == W_BF16) {
+                unpack_bf16x8(raw[u], wf);
+                load_x8<IN>(x, c, xf);
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc += wf[i] * xf[i];
+                for (int i = 0; i < 8; i++) acc += wf[i] * xf[i];
+            } else {  // (in halves of 8, to stay within the registers of 4 blocks an SM)
+                float dot = 0.f;
+                unpack_e4m3x8(raw[u].x, raw[u].y, wf);
+                load_x8<IN>(x, c, xf);
+#pragma unroll
+                for (int i = 0; i < 8; i++) dot += wf[i] * xf[i];
+                unpack_e4m3x8(raw[u].z, raw[u].w, wf);
+                load_x8<IN>(x, c + 8, xf);
+#pragma unroll
+                for (int i = 0; i < 8; i++) dot += wf[i] * xf[i];
+                acc += block_scales ? dot * block_scales[c / FP8_BLOCK] : dot;
+            }
         }
-        const int next = base + SPAN * UNROLL;
-        if (next < end) load_weights(raw, w_row, next, end);
-        else if (next_row) load_weights(raw, next_row, begin + lane * 8, end);
+        const int next = base + STEP * UNROLL;
+        if (next < end) load_weights<W>(raw, w_row, next, end, lanes);
+        else if (next_row) load_weights<W>(raw, next_row, begin + lane * C, end, lanes);
     }
     return acc;
 }
 
 // x's dot product with the group's weight row, for the lanes of the group's first
 // warp (slice 0), summed in a fixed order: lanes, then the slices in order. Every
-// warp of the block must call it together when split > 1 (it syncs the block).
-__device__ __forceinline__ float group_sum(float acc, float* slice_sums, int warp, int lane, int slice, int split) {
-    float sum = warp_sum(acc);  // (every lane gets the sum)
+// warp of the block must call it together when split > 1 (it syncs the block). A row
+// of fewer lanes than the warp's (split 1) is summed over its own lanes.
+__device__ __forceinline__ float group_sum(float acc, float* slice_sums, int warp, int lane, int lanes, int slice,
+                                           int split) {
+    float sum = acc;  // (every lane of the row gets the sum)
+    for (int o = lanes / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
     if (split == 1) return sum;
     if (lane == 0) slice_sums[warp] = sum;
     __syncthreads();
@@ -151,34 +220,49 @@ __device__ __forceinline__ float group_sum(float acc, float* slice_sums, int war
     return sum;
 }
 
-template <GemvInput IN, GemvOutput OUT>
+// A warp's lanes take 32 / lanes output rows at once, `lanes` lanes a row: a whole warp
+// would leave half its loads unused on an FP8 row of 2048 columns (128 of its 16-byte
+// pieces), so half a warp takes an FP8 row of up to HALF_WARP_COLUMNS (mirrored by
+// cuda_kernels.gemv_rows_per_block). (Batch-1 steps took 0.871 ms before and after,
+// bench/RESULTS.md: at this size a GEMV's time is more its start and end than its loads.)
+#define HALF_WARP_COLUMNS (16 * 16 * UNROLL)
+template <GemvInput IN, GemvOutput OUT, WeightFormat W>
 __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, const void* __restrict__ src,
-                                          const bf16* __restrict__ norm_weight, float eps, const bf16* __restrict__ w,
+                                          const bf16* __restrict__ norm_weight, float eps, const WeightRef w,
                                           int d_in, int d_out, const RopeCache& rope = {}) {
     extern __shared__ __align__(16) bf16 staged[];  // [d_in] when IN is X_RMSNORM
     __shared__ float slice_sums[GEMV_WARPS];
     // Weight rows an output takes: a RoPE pair's two, or gate row o and up row d_out + o.
     constexpr int PARTS = OUT == Y_ROPE_AND_CACHE || OUT == Y_SILU_AND_MUL ? 2 : 1;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int split = gemv_split(d_in), groups = GEMV_WARPS / split, slice = warp % split;
-    const int width = (d_in / 8 + split - 1) / split * 8;  // (a multiple of 8, as the loads need)
+    constexpr int C = COLS<W>;
+    const int lanes = W == W_FP8 && d_in <= HALF_WARP_COLUMNS ? 16 : 32, ROWS = 32 / lanes;
+    const int lane = threadIdx.x % lanes, sub = (threadIdx.x & 31) / lanes, warp = threadIdx.x >> 5;
+    const int split = lanes == 32 ? gemv_split<W>(d_in) : 1, groups = GEMV_WARPS / split, slice = warp % split;
+    const int width = (d_in / C + split - 1) / split * C;  // (a multiple of C, as the loads need)
     const int begin = slice * width, end = min(d_in, begin + width);
-    const int stride = gridDim.x * groups;
-    auto weight_row = [&](int o, int part) {
+    const int stride = gridDim.x * groups * ROWS;
+    // The weight row of output o's part (the row's index, its data, its block scales).
+    auto row_of = [&](int o, int part) -> size_t {
         if constexpr (OUT == Y_ROPE_AND_CACHE) {
             const int half = rope.head_dim / 2;
-            return w + ((size_t)(o / half) * rope.head_dim + o % half + part * half) * d_in;
+            return (size_t)(o / half) * rope.head_dim + o % half + part * half;
         }
-        return w + ((size_t)part * d_out + o) * d_in;
+        return (size_t)part * d_out + o;
     };
-    int first = blockIdx.x * groups;  // the block's first output; its group's is first + warp / split
+    auto weight_row = [&](int o, int part) { return w.data + row_of(o, part) * d_in * 16 / C; };
+    auto block_scales = [&](int o, int part) -> const float* {
+        if (W == W_BF16 || w.scale_cols == 0) return nullptr;
+        return w.scale + row_of(o, part) / FP8_BLOCK * w.scale_cols;
+    };
+    int first = blockIdx.x * groups * ROWS;  // the block's first output; its group's is first + warp / split * ROWS
     // The weights are no earlier kernel's output: the first loads of the group's first
     // output (of each of its rows) go out before the wait for the previous kernel, and
     // overlap its tail; then each part keeps the next output's row in flight.
     uint4 raw[PARTS][UNROLL];
-    const int first_o = min(first + warp / split, d_out - 1);
+    const int first_o = min(first + warp / split * ROWS + sub, d_out - 1);
 #pragma unroll
-    for (int part = 0; part < PARTS; part++) load_weights(raw[part], weight_row(first_o, part), begin + lane * 8, end);
+    for (int part = 0; part < PARTS; part++)
+        load_weights<W>(raw[part], weight_row(first_o, part), begin + lane * C, end, lanes);
     RopeRow row{};
     float2 first_cs{};
     if constexpr (OUT == Y_ROPE_AND_CACHE) {
@@ -197,16 +281,18 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
     // (Every warp of the block takes the same turns of this loop: the slices' sums meet
     // at __syncthreads.)
     for (; first < d_out; first += stride) {
-        const int o = first + warp / split;
+        const int o = first + warp / split * ROWS + sub;
         float sums[PARTS];
 #pragma unroll
         for (int part = 0; part < PARTS; part++) {
             float acc = 0.f;
             if (o < d_out) {
-                const bf16* next = o + stride < d_out ? weight_row(o + stride, part) : nullptr;
-                acc = gemv_slice<IN>(raw[part], x, weight_row(o, part), next, lane, begin, end);
+                const uint8_t* next = o + stride < d_out ? weight_row(o + stride, part) : nullptr;
+                acc = gemv_slice<IN, W>(raw[part], x, weight_row(o, part), next, block_scales(o, part), lane, lanes, begin,
+                                        end);
             }
-            sums[part] = group_sum(acc, slice_sums, warp, lane, slice, split);
+            sums[part] = group_sum(acc, slice_sums, warp, lane, lanes, slice, split);
+            if (W == W_FP8 && w.scale_cols == 0 && o < d_out) sums[part] *= w.scale[row_of(o, part)];
         }
         if (slice != 0 || lane != 0 || o >= d_out) continue;
         if constexpr (OUT == Y_ADD_TO_RESIDUAL) {
@@ -224,10 +310,20 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
     }
 }
 
+// The kernels, each in both formats: NAME with bfloat16 weights `w`, NAME_fp8 with e4m3
+// codes `w` and their `w_scale` (scale_cols 0: one a row; else 128 x 128 blocks).
+__device__ __forceinline__ WeightRef bf16_weight(const bf16* w) { return {reinterpret_cast<const uint8_t*>(w), nullptr, 0}; }
+
 // y = x @ w^T, y float32 if out_f32 else bfloat16
 extern "C" __global__ void GEMV_BOUNDS gemv(void* __restrict__ y, int out_f32, const bf16* __restrict__ x,
                                             const bf16* __restrict__ w, int d_in, int d_out) {
-    gemv_rows<X_GIVEN, Y_STORE>(y, out_f32, x, nullptr, 0.f, w, d_in, d_out);
+    gemv_rows<X_GIVEN, Y_STORE, W_BF16>(y, out_f32, x, nullptr, 0.f, bf16_weight(w), d_in, d_out);
+}
+
+extern "C" __global__ void GEMV_BOUNDS gemv_fp8(void* __restrict__ y, int out_f32, const bf16* __restrict__ x,
+                                                const uint8_t* __restrict__ w, const float* __restrict__ w_scale,
+                                                int scale_cols, int d_in, int d_out) {
+    gemv_rows<X_GIVEN, Y_STORE, W_FP8>(y, out_f32, x, nullptr, 0.f, {w, w_scale, scale_cols}, d_in, d_out);
 }
 
 // qkv = RMSNorm(residual) @ w^T, then rope_and_cache: q rotated in place, k rotated and
@@ -239,8 +335,17 @@ extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope(bf16* __restrict__
                                                          bf16* __restrict__ v_cache, const int* __restrict__ positions,
                                                          const int* __restrict__ slots, const float2* __restrict__ cos_sin,
                                                          int heads, int kv_heads, int head_dim, int d_in, int d_out) {
-    gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE>(qkv, false, residual, norm_weight, eps, w, d_in, d_out,
-                                           {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim});
+    gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_BF16>(qkv, false, residual, norm_weight, eps, bf16_weight(w), d_in, d_out,
+                                                   {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim});
+}
+
+extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope_fp8(
+    bf16* __restrict__ qkv, const float* __restrict__ residual, const bf16* __restrict__ norm_weight, float eps,
+    const uint8_t* __restrict__ w, const float* __restrict__ w_scale, int scale_cols, bf16* __restrict__ k_cache,
+    bf16* __restrict__ v_cache, const int* __restrict__ positions, const int* __restrict__ slots,
+    const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int d_in, int d_out) {
+    gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_FP8>(qkv, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in,
+                                                  d_out, {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim});
 }
 
 // act = silu_and_mul(RMSNorm(residual) @ w^T), w = [gate | up] of 2 * d_out rows;
@@ -248,11 +353,49 @@ extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope(bf16* __restrict__
 extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_silu(bf16* __restrict__ act, const float* __restrict__ residual,
                                                          const bf16* __restrict__ norm_weight, float eps,
                                                          const bf16* __restrict__ w, int d_in, int d_out) {
-    gemv_rows<X_RMSNORM, Y_SILU_AND_MUL>(act, false, residual, norm_weight, eps, w, d_in, d_out);
+    gemv_rows<X_RMSNORM, Y_SILU_AND_MUL, W_BF16>(act, false, residual, norm_weight, eps, bf16_weight(w), d_in, d_out);
+}
+
+extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_silu_fp8(bf16* __restrict__ act, const float* __restrict__ residual,
+                                                             const bf16* __restrict__ norm_weight, float eps,
+                                                             const uint8_t* __restrict__ w,
+                                                             const float* __restrict__ w_scale, int scale_cols, int d_in,
+                                                             int d_out) {
+    gemv_rows<X_RMSNORM, Y_SILU_AND_MUL, W_FP8>(act, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in,
+                                                d_out);
 }
 
 // residual += x @ w^T
 extern "C" __global__ void GEMV_BOUNDS gemv_add(float* __restrict__ residual, const bf16* __restrict__ x,
                                                 const bf16* __restrict__ w, int d_in, int d_out) {
-    gemv_rows<X_GIVEN, Y_ADD_TO_RESIDUAL>(residual, false, x, nullptr, 0.f, w, d_in, d_out);
+    gemv_rows<X_GIVEN, Y_ADD_TO_RESIDUAL, W_BF16>(residual, false, x, nullptr, 0.f, bf16_weight(w), d_in, d_out);
+}
+
+extern "C" __global__ void GEMV_BOUNDS gemv_add_fp8(float* __restrict__ residual, const bf16* __restrict__ x,
+                                                    const uint8_t* __restrict__ w, const float* __restrict__ w_scale,
+                                                    int scale_cols, int d_in, int d_out) {
+    gemv_rows<X_GIVEN, Y_ADD_TO_RESIDUAL, W_FP8>(residual, false, x, nullptr, 0.f, {w, w_scale, scale_cols}, d_in, d_out);
+}
+
+// out[o, i] = bf16(code[o, i] * scale): an FP8 weight as bfloat16, for the GEMMs of
+// steps of more rows than the GEMV takes (cuBLAS multiplies in bfloat16). Rows
+// [first_row, first_row + rows) of w into out's rows 0.. (a chunk of a weight larger
+// than the scratch buffer); a thread per 16 codes. d_in % 16 == 0.
+extern "C" __global__ void dequantize_fp8(bf16* __restrict__ out, const uint8_t* __restrict__ w,
+                                          const float* __restrict__ w_scale, int scale_cols, int first_row, int rows,
+                                          int d_in) {
+    await_previous_kernel();
+    const int pieces = d_in / 16;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)rows * pieces;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int r = first_row + (int)(i / pieces), c = (int)(i % pieces) * 16;
+        const float scale = scale_cols ? w_scale[(size_t)(r / FP8_BLOCK) * scale_cols + c / FP8_BLOCK] : w_scale[r];
+        float f[16];
+        unpack_e4m3x16(__ldg(reinterpret_cast<const uint4*>(w + (size_t)r * d_in + c)), f);
+#pragma unroll
+        for (int k = 0; k < 16; k++) f[k] *= scale;
+        uint4* dst = reinterpret_cast<uint4*>(out + i * 16);
+        dst[0] = pack_bf16x8(f);
+        dst[1] = pack_bf16x8(f + 8);
+    }
 }

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from engine.model_loader import load_model
+from engine.model_loader import LoadedModel, load_model
 from engine.quantization.fp8 import E4M3_MAX, Fp8Weight, f32_to_e4m3
 from engine.quantization.int4 import _AWQ_SHIFTS, Int4Weight, pack_int32
 
@@ -144,3 +144,34 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def fp8_fast(w: np.ndarray, block: tuple[int, int] | None = None) -> Fp8Weight:
+    """Fp8Weight.quantize (per row), or quantize_fp8_blocks with `block`, rounding with
+    ml_dtypes: ties go to even rather than down (about one code in 4 million differs), 30
+    times faster, for quantizing the 1B shape in the GPU's tests and benchmarks."""
+    if block is None:
+        scale = (np.maximum(np.abs(w).max(axis=1, keepdims=True), 1e-12) / E4M3_MAX).astype(np.float32)
+        full = scale
+    else:
+        rows, cols = block
+        out, columns = w.shape
+        padded = np.zeros((-(-out // rows) * rows, -(-columns // cols) * cols), np.float32)
+        padded[:out, :columns] = np.abs(w)
+        scale = (np.maximum(padded.reshape(padded.shape[0] // rows, rows, -1, cols).max(axis=(1, 3)), 1e-12)
+                 / E4M3_MAX).astype(np.float32)
+        full = np.repeat(np.repeat(scale, rows, 0), cols, 1)[:out, :columns]
+    codes = np.clip(w / full, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return Fp8Weight(codes, scale, block)
+
+
+def fp8_model(model: LoadedModel, block: tuple[int, int] | None = None, head: bool = False) -> LoadedModel:
+    """A LoadedModel with its layers' matrices (and its head, or the embedding it is tied
+    to, with `head`) quantized by fp8_fast."""
+    import dataclasses
+
+    head_name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    return dataclasses.replace(model, weights={
+        name: fp8_fast(t.float32(), block)
+        if (name.startswith("model.layers.") and len(t.shape) == 2) or (head and name == head_name) else t
+        for name, t in model.weights.items()})

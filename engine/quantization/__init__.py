@@ -10,7 +10,7 @@ tensor in a canonical layout, under the weight's plain name:
 - gguf.py: GGUF's Q4_0, Q4_1 and Q8_0 blocks, as the file stores them.
 
 A quantized tensor dequantizes to float32 (the numpy backend: the exact reference) or
-to bfloat16 (the CUDA backend, until kernels of its own read the format).
+to bfloat16 (the CUDA backend, for the formats its kernels do not read: all but FP8).
 """
 
 from engine.quantization.formats import QUANTIZATION_METHODS, quantize_at_load, read_quantized

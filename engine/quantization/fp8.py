@@ -64,6 +64,20 @@ class Fp8Weight(QuantizedWeight):
         return e4m3_to_f32(self.codes) * scale
 
     @staticmethod
+    def concatenate(parts: list["Fp8Weight"]) -> "Fp8Weight | None":
+        """The parts' rows as one weight (a fused projection), with per-row scales (a
+        part's per-tensor scale given to each of its rows), or block scales where every
+        part but the last fills whole blocks of rows; None otherwise."""
+        block = parts[0].block
+        if any(p.block != block for p in parts) or (block and any(p.shape[0] % block[0] for p in parts[:-1])):
+            return None
+        codes = np.concatenate([p.codes for p in parts])
+        if block:
+            return Fp8Weight(codes, np.concatenate([p.scale for p in parts]), block)
+        rows = [np.broadcast_to(p.scale.reshape(-1, 1), (p.shape[0], 1)) for p in parts]
+        return Fp8Weight(codes, np.concatenate(rows).astype(np.float32))
+
+    @staticmethod
     def quantize(w: np.ndarray) -> "Fp8Weight":
         """Per-output-channel: each row scaled so that its largest magnitude is 448."""
         scale = np.maximum(np.abs(w).max(axis=1, keepdims=True), 1e-12) / E4M3_MAX

@@ -65,6 +65,7 @@ def test_launch_geometry_matches_the_sources():
         attention["PREFILL_THREADS"], attention["M_TILE"], attention["MAX_PART_BLOCKS"])
     assert ck.GEMV_WARPS == gemv["GEMV_WARPS"]
     assert ck.GEMV_SLICE == gemv["SPAN"] * gemv["UNROLL"]
+    assert ck.HALF_WARP_COLUMNS == gemv["HALF_WARP_COLUMNS"]
     assert (ck.SAMPLE_CLUSTER, ck.SAMPLE_THREADS) == (sampling["SAMPLE_CLUSTER"], sampling["SAMPLE_THREADS"])
 
 

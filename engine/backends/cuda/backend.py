@@ -32,6 +32,7 @@ from engine.sequence import Sequence
 from engine.weights import ModelWeights
 
 log = logging.getLogger("llamastream.engine")
+FORMAT_NAMES = {"bf16": "bfloat16", "fp8": "fp8_e4m3"}  # LinearWeight formats, as weight_dtype says them
 WORKSPACE_BYTES = 32 * 2**20
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
 
@@ -49,7 +50,7 @@ class StepSlot:
 
 class CudaBackend:
     name = "cuda"
-    weight_dtype = kv_cache_dtype = "bfloat16"  # (quantized formats uploaded dequantized, for now)
+    kv_cache_dtype = "bfloat16"
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: int = 0, cuda_graphs: bool = True,
                  graph_max_batch: int = 256, graph_max_context: int = 4096, prompt_graphs: bool = True,
@@ -74,9 +75,12 @@ class CudaBackend:
             self.pool = DeviceMemoryPool()
             self.workspace = cuda.mem_alloc(WORKSPACE_BYTES)
             self.blas = Cublas(self.stream.handle, int(self.workspace), WORKSPACE_BYTES)
-            self.linear = Linear(self.blas, self.stream)
             self.weights = DeviceWeights.upload(weights)
             self.weight_bytes = self.weights.nbytes
+            # FP8 matrices stay FP8 (linear.py); other quantized ones are uploaded as bfloat16
+            self.weight_dtype = " and ".join(sorted({FORMAT_NAMES[f] for f in self.weights.formats}))
+            scratch = self.weights.scratch_bytes
+            self.linear = Linear(self.blas, self.stream, gpuarray.empty(scratch // 2, np.uint16) if scratch else None)
             # cos and sin of every RoPE angle the model meets (vLLM's cos_sin_cache): a
             # position's row is read by every layer, with nothing to compute
             self.cos_sin = gpuarray.empty((config.max_position_embeddings, config.head_dim // 2, 2), np.float32)
@@ -84,7 +88,8 @@ class CudaBackend:
                                       config.max_position_embeddings)
             self.sampler = GpuSampler(self.kernels, self.stream, config.vocab_size, self.pool.allocate)
             self.stream.synchronize()
-        log.info("CUDA backend on %s: %.2f GB of bfloat16 weights", self.device.name(), self.weights.nbytes / 1e9)
+        log.info("CUDA backend on %s: %.2f GB of weights (%s)", self.device.name(), self.weights.nbytes / 1e9,
+                 self.weight_dtype)
         self._graph_settings = (cuda_graphs, graph_max_batch, graph_max_context, PROMPT_BUCKETS if prompt_graphs else ())
         self.cache: KvCache | None = None
         self.forward_pass: ForwardPass | None = None

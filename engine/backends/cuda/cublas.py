@@ -79,14 +79,15 @@ class Cublas:
             raise CublasError(f"{what} failed with cuBLAS status {status}")
 
     def gemm(self, y: int, y_type: DataType, x: int, x_type: DataType, w: int, w_type: DataType, tokens: int, d_in: int,
-             d_out: int) -> None:
+             d_out: int, ldy: int | None = None) -> None:
         """y[tokens, d_out] = x[tokens, d_in] @ w[d_out, d_in]^T in float32 compute, each
-        operand of its type (all row-major, rows dense)."""
+        operand of its type (all row-major, x and w dense; y's rows `ldy` apart, d_out
+        unless given: a block of y's columns)."""
         self._check(self.lib.cublasGemmEx(
             self.handle, CUBLAS_OP_T, CUBLAS_OP_N, d_out, tokens, d_in,
             ctypes.byref(self._one), ctypes.c_void_p(w), int(w_type), d_in,
             ctypes.c_void_p(x), int(x_type), d_in,
-            ctypes.byref(self._zero), ctypes.c_void_p(y), int(y_type), d_out,
+            ctypes.byref(self._zero), ctypes.c_void_p(y), int(y_type), ldy or d_out,
             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
         ), "cublasGemmEx")
 

@@ -15,7 +15,7 @@ import pycuda.gpuarray as gpuarray
 
 from engine.backends.cuda.buffers import KvCache, StepBuffers
 from engine.backends.cuda.kernels import STAGED_INPUT_BYTES, Kernels, PagedAttention, ptr
-from engine.backends.cuda.linear import BF16, Linear, LinearWeight
+from engine.backends.cuda.linear import Linear, LinearWeight
 from engine.backends.cuda.step_metadata import StepShape
 from engine.backends.cuda.weights import DeviceWeights
 from engine.config import ModelConfig
@@ -74,8 +74,9 @@ class LayerLaunches:
     their consumer computes into the buffer it needs. That is where the single-token
     fusions (`fused`, a step of one row: gemv.cu) come in: rms_norm -> linear ->
     rope_and_cache is one gemv_rmsnorm_rope, rms_norm -> linear -> silu_and_mul one
-    gemv_rmsnorm_silu, and linear -> add_to_residual one gemv_add. Otherwise an add to
-    the residual is left pending and rides in the next add_rmsnorm."""
+    gemv_rmsnorm_silu, and linear -> add_to_residual one gemv_add, each in the weight's
+    format (bfloat16 or FP8). Otherwise an add to the residual is left pending and rides
+    in the next add_rmsnorm."""
 
     def __init__(self, forward: ForwardPass, kernels: Kernels, buffers: StepBuffers, shape: StepShape, fused: bool):
         self.fwd, self.k, self.b, self.shape, self.fused = forward, kernels, buffers, shape, fused
@@ -108,7 +109,7 @@ class LayerLaunches:
     def rope_and_cache(self, qkv) -> gpuarray.GPUArray:
         c, m, b = self.c, self.m, self.b
         if self._fusible(qkv):
-            self.k.gemv_rmsnorm_rope(self.st, b.qkv, b.residual, self.w[qkv.x.weight], self.eps, self.w[qkv.weight].data,
+            self.k.gemv_rmsnorm_rope(self.st, b.qkv, b.residual, self.w[qkv.x.weight], self.eps, self.w[qkv.weight],
                                      self.kc, self.vc, m["positions"], m["slots"], self.fwd.cos_sin, c.num_heads,
                                      c.num_kv_heads, c.hidden_size)
             return b.qkv
@@ -137,24 +138,23 @@ class LayerLaunches:
         c, b = self.c, self.b
         if self._fusible(gate_up):
             self.k.gemv_rmsnorm_silu(self.st, b.act, b.residual, self.w[gate_up.x.weight], self.eps,
-                                     self.w[gate_up.weight].data, c.hidden_size, c.intermediate_size)
+                                     self.w[gate_up.weight], c.hidden_size, c.intermediate_size)
             return b.act
         self._into(gate_up, b.gate_up)
         self.k.silu_and_mul(self.st, b.act, b.gate_up, self.shape.tokens, c.intermediate_size)
         return b.act
 
     def add_to_residual(self, x) -> None:
-        if self.fused and isinstance(x, _Linear) and not isinstance(x.x, _Normed) and self.w[x.weight].format == BF16:
+        if self.fused and isinstance(x, _Linear) and not isinstance(x.x, _Normed):
             w = self.w[x.weight]
-            self.k.gemv_add(self.st, self.b.residual, x.x, w.data, w.d_in, w.d_out)
+            self.k.gemv_add(self.st, self.b.residual, x.x, w, w.d_in, w.d_out)
         else:
             self.pending = ptr(self._into(x, self.b.delta))
 
     # -- computing lazy values --------------------------------------------------------
     def _fusible(self, value) -> bool:
         """Whether `value` is a GEMV of a norm that the consuming GEMV kernel can compute itself."""
-        return (self.fused and isinstance(value, _Linear) and isinstance(value.x, _Normed)
-                and self.w[value.weight].format == BF16)
+        return self.fused and isinstance(value, _Linear) and isinstance(value.x, _Normed)
 
     def _add_rmsnorm(self, weight: str) -> gpuarray.GPUArray:
         """h = RMSNorm(residual + pending), the pending delta added into the residual."""

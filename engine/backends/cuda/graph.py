@@ -10,6 +10,7 @@ launch, sm_90 and later). Other edges (into cuBLAS's kernels) stay as captured."
 from __future__ import annotations
 
 import ctypes
+import gc
 from typing import Callable, Iterable
 
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
@@ -47,12 +48,18 @@ class CudaGraph:
         """Capture what `record` queues on the stream (it must not allocate or synchronize).
         `awaiting_kernels` names the kernels whose incoming edges may be programmatic."""
         lib, self.stream = _driver(), ctypes.c_void_p(stream_handle)
+        # No garbage collection while capturing: freeing a collected PyCUDA object (another
+        # backend's module or memory) is not permitted then, and would end the capture.
+        collecting = gc.isenabled()
+        gc.disable()
         _check(lib.cuStreamBeginCapture_v2(self.stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
         graph = ctypes.c_void_p()
         try:
             record()
         finally:
             _check(lib.cuStreamEndCapture(self.stream, ctypes.byref(graph)), "cuStreamEndCapture")
+            if collecting:
+                gc.enable()
         self.exec = ctypes.c_void_p()
         try:
             self.programmatic_edges = _make_programmatic(graph, frozenset(awaiting_kernels))

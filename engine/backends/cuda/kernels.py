@@ -23,7 +23,9 @@ ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS, PREFILL_M_TILE = 128, 64  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
 GEMV_WARPS = 8  # as in gemv.cu
-GEMV_SLICE = 2048  # columns of one warp's loads (SPAN * UNROLL in gemv.cu)
+GEMV_SLICE = 2048  # bfloat16 columns of one warp's loads (SPAN * UNROLL in gemv.cu)
+GEMV_COLUMNS = {"bf16": 8, "fp8": 16}  # weights in a lane's 16-byte load, by format (COLS in gemv.cu)
+HALF_WARP_COLUMNS = 2048  # FP8 rows up to this wide take half a warp each (as in gemv.cu)
 SAMPLE_CLUSTER, SAMPLE_THREADS = 8, 1024  # blocks a row and threads a block of sample_tokens (sampling.cu)
 STAGED_INPUT_BYTES = 47 * 1024  # gemv.cu's staged input: 48 KB a block takes without opting in, less its static shared memory
 ROW_THREADS = 256  # the block of the row-wise kernels (embedding, add_rmsnorm, silu_and_mul, apply_penalties)
@@ -42,6 +44,11 @@ SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i in
     "gemv_add": ("gemv.cu", "PPPii"),
     "gemv_rmsnorm_rope": ("gemv.cu", "PPPfPPPPPPiiiii"),
     "gemv_rmsnorm_silu": ("gemv.cu", "PPPfPii"),
+    "gemv_fp8": ("gemv.cu", "PiPPPiii"),
+    "gemv_add_fp8": ("gemv.cu", "PPPPiii"),
+    "gemv_rmsnorm_rope_fp8": ("gemv.cu", "PPPfPPiPPPPPiiiii"),
+    "gemv_rmsnorm_silu_fp8": ("gemv.cu", "PPPfPPiii"),
+    "dequantize_fp8": ("gemv.cu", "PPPiiii"),
     "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
     "apply_token_bitmask": ("sampling.cu", "PPPii"),
     "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
@@ -75,13 +82,33 @@ def blocks_per_sm(registers: int, threads: int) -> int:
     return max(1, min(65536 // (regs * threads), 2048 // threads))
 
 
-def gemv_split(d_in: int) -> int:
+def gemv_split(d_in: int, format: str = "bf16") -> int:
     """Warps a gemv.cu weight row is split over (gemv_split there): a power of two,
-    each slice at least GEMV_SLICE columns."""
-    split = 1
-    while split < GEMV_WARPS and d_in >= 2 * split * GEMV_SLICE:
+    each slice at least GEMV_SLICE columns (times the weights a load holds over 8)."""
+    split, slice_columns = 1, GEMV_SLICE * GEMV_COLUMNS[format] // 8
+    while split < GEMV_WARPS and d_in >= 2 * split * slice_columns:
         split *= 2
     return split
+
+
+def gemv_rows_per_block(d_in: int, format: str = "bf16") -> int:
+    """Output rows a gemv.cu block computes at once: a row per group of gemv_split warps,
+    or two a warp for FP8 rows of up to HALF_WARP_COLUMNS (half a warp each)."""
+    if format == "fp8" and d_in <= HALF_WARP_COLUMNS:
+        return 2 * GEMV_WARPS
+    return GEMV_WARPS // gemv_split(d_in, format)
+
+
+def gemv_weight(w: Any) -> tuple[str, tuple]:
+    """A GEMV's weight arguments: (the kernel's suffix for its format, the arguments in
+    place of `w`) for a LinearWeight (engine/backends/cuda/linear.py), or a bfloat16
+    weight given as an array or a pointer."""
+    fmt = getattr(w, "format", "bf16")
+    if fmt == "bf16":
+        return "", (ptr(getattr(w, "data", w)),)
+    if fmt == "fp8":
+        return "_fp8", (ptr(w.data), ptr(w.scale), np.int32(w.scale_cols))
+    raise ValueError(f"no GEMV for {fmt} weights")
 
 
 @dataclass(frozen=True)
@@ -219,34 +246,49 @@ class Kernels:
             (-(-inter // (8 * ROW_THREADS)), tokens), (ROW_THREADS, 1, 1), stream, ptr(out), ptr(gate_up), np.int32(inter))
 
     # -- gemv.cu: one token's products, as many blocks as are resident at once ----------
-    def _gemv(self, name: str, stream, d_in: int, d_out: int, staged_bytes: int, blocks: int | None, *args) -> None:
+    # `w` is a LinearWeight (bfloat16 or FP8: the kernel of its format), or a bfloat16
+    # weight as an array or a pointer.
+    def _gemv(self, name: str, stream, w, d_in: int, d_out: int, staged_bytes: int, blocks: int | None, before: tuple,
+              after: tuple = ()) -> None:
         """Each block's warps take weight rows in turn; `blocks` overrides the grid (tests)."""
+        suffix, weight = gemv_weight(w)
+        name += suffix
         if blocks is None:
-            blocks = min(-(-d_out // (GEMV_WARPS // gemv_split(d_in))), self._resident[name])
-        self.functions[name].prepared_async_call((blocks, 1), (32 * GEMV_WARPS, 1, 1), stream, *args, np.int32(d_in),
-                                                 np.int32(d_out), shared_size=staged_bytes)
+            blocks = min(-(-d_out // gemv_rows_per_block(d_in, suffix[1:] or "bf16")), self._resident[name])
+        self.functions[name].prepared_async_call((blocks, 1), (32 * GEMV_WARPS, 1, 1), stream, *before, *weight, *after,
+                                                 np.int32(d_in), np.int32(d_out), shared_size=staged_bytes)
 
     def gemv(self, stream, y, x, w, d_in: int, d_out: int, out_f32: bool = False, blocks: int | None = None) -> None:
         """y = x @ w^T for one row x (y float32 if out_f32, else bfloat16)."""
-        self._gemv("gemv", stream, d_in, d_out, 0, blocks, ptr(y), np.int32(out_f32), ptr(x), ptr(w))
+        self._gemv("gemv", stream, w, d_in, d_out, 0, blocks, (ptr(y), np.int32(out_f32), ptr(x)))
 
     def gemv_add(self, stream, residual, x, w, d_in: int, d_out: int, blocks: int | None = None) -> None:
         """residual += x @ w^T for one row x."""
-        self._gemv("gemv_add", stream, d_in, d_out, 0, blocks, ptr(residual), ptr(x), ptr(w))
+        self._gemv("gemv_add", stream, w, d_in, d_out, 0, blocks, (ptr(residual), ptr(x)))
 
     def gemv_rmsnorm_rope(self, stream, qkv, residual, norm_weight, eps: float, w, k_cache, v_cache, positions, slots,
                           cos_sin, heads: int, kv_heads: int, hidden: int, blocks: int | None = None) -> None:
         """qkv = RMSNorm(residual) @ w^T, then rope_and_cache's work on it."""
         width = (heads + 2 * kv_heads) * self.head_dim
-        self._gemv("gemv_rmsnorm_rope", stream, hidden, width // 2, 2 * hidden, blocks, ptr(qkv), ptr(residual),
-                   ptr(norm_weight), np.float32(eps), ptr(w), ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots),
-                   ptr(cos_sin), np.int32(heads), np.int32(kv_heads), np.int32(self.head_dim))
+        self._gemv("gemv_rmsnorm_rope", stream, w, hidden, width // 2, 2 * hidden, blocks,
+                   (ptr(qkv), ptr(residual), ptr(norm_weight), np.float32(eps)),
+                   (ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots), ptr(cos_sin), np.int32(heads),
+                    np.int32(kv_heads), np.int32(self.head_dim)))
 
     def gemv_rmsnorm_silu(self, stream, act, residual, norm_weight, eps: float, w, hidden: int, inter: int,
                           blocks: int | None = None) -> None:
         """act = silu_and_mul(RMSNorm(residual) @ w^T), w = [gate | up] of 2 * inter rows."""
-        self._gemv("gemv_rmsnorm_silu", stream, hidden, inter, 2 * hidden, blocks, ptr(act), ptr(residual),
-                   ptr(norm_weight), np.float32(eps), ptr(w))
+        self._gemv("gemv_rmsnorm_silu", stream, w, hidden, inter, 2 * hidden, blocks,
+                   (ptr(act), ptr(residual), ptr(norm_weight), np.float32(eps)))
+
+    def dequantize_fp8(self, stream, out, w, first_row: int, rows: int) -> None:
+        """out[r - first_row] = bf16(w's row r dequantized), for rows [first_row, first_row + rows)
+        of the FP8 LinearWeight w: a thread per 16 weights, as many blocks as are resident."""
+        threads, pieces = ROW_THREADS, rows * w.d_in // 16
+        blocks = max(1, min(-(-pieces // threads), 8 * self.sm_count))
+        self.functions["dequantize_fp8"].prepared_async_call(
+            (blocks, 1), (threads, 1, 1), stream, ptr(out), ptr(w.data), ptr(w.scale), np.int32(w.scale_cols),
+            np.int32(first_row), np.int32(rows), np.int32(w.d_in))
 
     # -- sampling.cu --------------------------------------------------------------------
     def apply_penalties(self, stream, logits, vocab: int, entries: int, entry_row, entry_token, entry_count, entry_banned,

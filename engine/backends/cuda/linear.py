@@ -1,9 +1,10 @@
 """Linear layers on the GPU: a weight in its format, and y = x @ w^T by it.
 
-bfloat16 is the one format today: a GEMM tile of one row takes our GEMV (gemv.cu),
-larger ones cuBLAS. A quantized format adds its LinearWeight data (packed values,
-scales) and its kernels here; the single-token fusions (gemv.cu's GEMVs that also
-normalise, rotate or activate) take bfloat16 weights, and forward.py fuses only those.
+A GEMM tile of one row takes our GEMV (gemv.cu), in the weight's format. Larger tiles
+take cuBLAS in bfloat16: an FP8 weight is first dequantized to bfloat16 into a scratch
+buffer (dequantize_fp8), once per product whatever its tiles, in chunks of rows where
+it is larger than the buffer (the head). The single-token fusions of forward.py (the
+GEMVs that also normalise, rotate or activate) exist in both formats.
 """
 
 from __future__ import annotations
@@ -16,42 +17,62 @@ import numpy as np
 from engine.backends.cuda.cublas import Cublas, DataType
 from engine.backends.cuda.kernels import Kernels
 
-BF16 = "bf16"
-FORMATS = (BF16,)
+BF16, FP8 = "bf16", "fp8"
+FORMATS = (BF16, FP8)
 
 
 @dataclass(frozen=True)
 class LinearWeight:
-    """A linear layer's weight on the GPU, [d_out, d_in] in `format`."""
+    """A linear layer's weight on the GPU, [d_out, d_in] in `format`: bfloat16 bits, or
+    e4m3 codes with float32 scales (one per row, scale_cols 0; or one per 128 x 128
+    block, [ceil(d_out / 128), scale_cols])."""
 
     format: str
-    data: Any  # bf16: a GPUArray of bfloat16 bits
+    data: Any  # a GPUArray: bfloat16 bits, or uint8 e4m3 codes
     d_out: int
     d_in: int
+    scale: Any = None  # fp8: a GPUArray of float32
+    scale_cols: int = 0
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        return self.data.nbytes + (self.scale.nbytes if self.scale is not None else 0)
 
 
 class Linear:
-    """y = x @ w^T on the stream, one product per GEMM tile of rows (step_metadata)."""
+    """y = x @ w^T on the stream, one product per GEMM tile of rows (step_metadata).
+    `scratch` (a GPUArray) holds a dequantized weight, or a chunk of one, for cuBLAS:
+    bfloat16, at least one row of every quantized weight."""
 
-    def __init__(self, blas: Cublas, stream):
-        self.blas, self.stream = blas, stream
+    def __init__(self, blas: Cublas, stream, scratch=None):
+        self.blas, self.stream, self.scratch = blas, stream, scratch
 
     def __call__(self, kernels: Kernels, y, x, w: LinearWeight, tiles: list[tuple[int, int]]) -> None:
         """y [rows, d_out] (bfloat16, or float32 for logits) from x [rows, d_in] in bfloat16,
         over the (first row, rows) tiles."""
-        if w.format != BF16:
+        if w.format not in FORMATS:
             raise ValueError(f"no GPU product for {w.format} weights (formats: {', '.join(FORMATS)})")
         out_f32 = y.dtype == np.float32
         y_row, x_row = w.d_out * y.dtype.itemsize, w.d_in * 2
         y_type = DataType.F32 if out_f32 else DataType.BF16
+        gemm_tiles = []
         for r, rows in tiles:
             y_ptr, x_ptr = int(y.gpudata) + r * y_row, int(x.gpudata) + r * x_row
-            if rows == 1:  # (d_in is a multiple of 8, as gemv.cu needs: checked by the backend)
-                kernels.gemv(self.stream, y_ptr, x_ptr, w.data, w.d_in, w.d_out, out_f32)
+            if rows == 1:  # (d_in is a multiple of 8, 16 for FP8, as gemv.cu needs: checked at upload)
+                kernels.gemv(self.stream, y_ptr, x_ptr, w, w.d_in, w.d_out, out_f32)
             else:
+                gemm_tiles.append((y_ptr, x_ptr, rows))
+        if not gemm_tiles:
+            return
+        if w.format == BF16:
+            for y_ptr, x_ptr, rows in gemm_tiles:
                 self.blas.gemm(y_ptr, y_type, x_ptr, DataType.BF16, int(w.data.gpudata), DataType.BF16, rows, w.d_in,
                                w.d_out)
+            return
+        chunk = min(w.d_out, self.scratch.nbytes // (2 * w.d_in))
+        for first in range(0, w.d_out, chunk):
+            n = min(chunk, w.d_out - first)
+            kernels.dequantize_fp8(self.stream, self.scratch, w, first, n)
+            for y_ptr, x_ptr, rows in gemm_tiles:  # (the chunk's columns of y, whose rows stay d_out wide)
+                self.blas.gemm(y_ptr + first * y.dtype.itemsize, y_type, x_ptr, DataType.BF16, int(self.scratch.gpudata),
+                               DataType.BF16, rows, w.d_in, n, ldy=w.d_out)

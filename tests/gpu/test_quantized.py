@@ -1,0 +1,297 @@
+"""Quantized weights on the GPU against the numpy backend's dequantized computation.
+
+Kernels: the FP8 GEMV (per-row, per-tensor and 128 x 128 block scales) against numpy's
+x @ (codes * scales).T at the bfloat16 kernels' tolerance (relative L2 under 1e-2: the
+activations and outputs are bfloat16); its fused variants bit for bit against the FP8
+GEMV followed by the kernels they replace, as the bfloat16 ones are tested; the
+dequantizing kernel exactly; a Linear over GEMM tiles (cuBLAS on the dequantized weight,
+in chunks of rows where the scratch buffer is smaller than the weight).
+
+The whole model at the Llama 3.2 1B shape (random weights from a fixed seed), with its
+layers in FP8 (per-row or block scales, the head too or not), over 40 prompts of 1 to
+2,047 tokens against its exact (float32, dequantized) model: last-position logits, first
+tokens and log-probabilities as close as transformers' bfloat16 of the same weights is,
+and as our bfloat16 path is to its own exact model in the same run; the change the
+format makes to the bfloat16 model's logits is printed (run with -s) and recorded in
+bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.gpu.conftest import require_gpu  # noqa: E402
+
+require_gpu()
+
+import pycuda.gpuarray as gpuarray  # noqa: E402
+
+from devtools.quantized import fp8_fast  # noqa: E402
+from engine.backends.cuda.weights import fp8_linear  # noqa: E402
+from engine.quantization.fp8 import Fp8Weight  # noqa: E402
+from engine.weights import bf16_bits_to_f32  # noqa: E402
+from tests.gpu.conftest import bf16, rel_l2  # noqa: E402
+from tests.gpu.test_kernels import (TOL, cos_sin_table, i32, kernels_for, llama3_inv_freq, poisoned_bf16,  # noqa: E402
+                                    separate_add, separate_rmsnorm, up_bf16)
+
+RNG = np.random.default_rng()
+
+
+def per_tensor(w: np.ndarray) -> Fp8Weight:
+    """One scale for the tensor (compressed-tensors' tensor strategy), rounded as fp8_fast rounds."""
+    import ml_dtypes
+
+    scale = np.float32(np.abs(w).max() / 448)
+    return Fp8Weight((w / scale).astype(ml_dtypes.float8_e4m3fn).view(np.uint8), np.full((1, 1), scale, np.float32))
+
+
+# (devtools' fast quantizer: ours takes a minute over the head's shape)
+SCALES = {"per-row": fp8_fast, "per-tensor": per_tensor, "blocks": lambda w: fp8_fast(w, (128, 128))}
+
+
+def fp8_weight(d_out: int, d_in: int, scales: str, spread: float = 1.0) -> Fp8Weight:
+    """Random weights with rows of different magnitudes, so that each row's scale matters."""
+    w = RNG.standard_normal((d_out, d_in)).astype(np.float32) * spread / np.sqrt(d_in)
+    return SCALES[scales](w * RNG.uniform(0.2, 2.0, (d_out, 1)).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def kernels(cuda_context):
+    return kernels_for(4)
+
+
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("d_in, d_out, out_f32", [(2048, 3072, False), (8192, 2048, False), (2048, 16384, False),
+                                                  (2048, 128256, True), (576, 1002, False), (16384, 24, True),
+                                                  (4112, 40, False)])  # (rows split over 1, 2 and 4 warps; ragged)
+def test_gemv_fp8_matches_numpy_on_any_grid(kernels, scales, d_in, d_out, out_f32):
+    x = RNG.standard_normal(d_in).astype(np.float32)
+    q = fp8_weight(d_out, d_in, scales)
+    w, xg = fp8_linear(q), up_bf16(x)
+
+    def gemv(blocks: int | None = None) -> np.ndarray:
+        y = gpuarray.to_gpu(np.full(d_out, np.nan, np.float32)) if out_f32 else poisoned_bf16((d_out,))
+        kernels.gemv(None, y, xg, w, d_in, d_out, out_f32, blocks)
+        return y.get() if out_f32 else bf16_bits_to_f32(y.get())
+
+    got = gemv()
+    assert rel_l2(got, q.float32() @ bf16(x)) < TOL
+    assert np.array_equal(gemv(blocks=3), got)  # the sums do not depend on the grid
+
+
+@pytest.mark.parametrize("scales", SCALES)
+def test_dequantize_fp8_is_exact(kernels, scales):
+    """bf16(code * scale) for every weight, here in two chunks of rows."""
+    q = fp8_weight(300, 2048, scales)
+    w = fp8_linear(q)
+    out = poisoned_bf16((300, 2048))
+    kernels.dequantize_fp8(None, out, w, 0, 200)
+    kernels.dequantize_fp8(None, int(out.gpudata) + 200 * 2048 * 2, w, 200, 100)
+    assert np.array_equal(bf16_bits_to_f32(out.get()), bf16(q.float32()))
+
+
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("heads, kv_heads, D, hidden", [(32, 8, 64, 2048), (24, 8, 128, 3072)])
+def test_gemv_rmsnorm_rope_fp8_equals_gemv_then_rope_and_cache(cuda_context, scales, heads, kv_heads, D, hidden):
+    kernels = kernels_for(heads // kv_heads, D)
+    residual = gpuarray.to_gpu(bf16(RNG.standard_normal((1, hidden)).astype(np.float32)))
+    norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
+    width, slots_total = (heads + 2 * kv_heads) * D, 64
+    w = fp8_linear(fp8_weight(width, hidden, scales))
+    positions, slots = i32(RNG.integers(0, 5000, 1)), i32(RNG.integers(0, slots_total, 1))
+    cos_sin = cos_sin_table(kernels, llama3_inv_freq(D), 5000)
+
+    def caches() -> tuple[gpuarray.GPUArray, gpuarray.GPUArray]:
+        return poisoned_bf16((slots_total, kv_heads, D)), poisoned_bf16((slots_total, kv_heads, D))
+    expected_qkv = poisoned_bf16((1, width))
+    kernels.gemv(None, expected_qkv, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, width)
+    expected_k, expected_v = caches()
+    kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads)
+    qkv = poisoned_bf16((1, width))
+    k_cache, v_cache = caches()
+    kernels.gemv_rmsnorm_rope(None, qkv, residual, norm_weight, 1e-5, w, k_cache, v_cache, positions, slots, cos_sin, heads,
+                              kv_heads, hidden)
+    q = heads * D
+    assert np.array_equal(qkv.get()[:, :q], expected_qkv.get()[:, :q])
+    assert np.array_equal(k_cache.get(), expected_k.get())
+    assert np.array_equal(v_cache.get(), expected_v.get())
+
+
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("hidden, inter", [(2048, 8192), (576, 1536)])
+def test_gemv_rmsnorm_silu_fp8_equals_gemv_then_silu(kernels, scales, hidden, inter):
+    residual = gpuarray.to_gpu(bf16(RNG.standard_normal((1, hidden)).astype(np.float32)))
+    norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
+    w = fp8_linear(fp8_weight(2 * inter, hidden, scales, spread=3.0))
+    gate_up = poisoned_bf16((1, 2 * inter))
+    kernels.gemv(None, gate_up, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, 2 * inter)
+    expected = poisoned_bf16((1, inter))
+    kernels.silu_and_mul(None, expected, gate_up, 1, inter)
+    act = poisoned_bf16((1, inter))
+    kernels.gemv_rmsnorm_silu(None, act, residual, norm_weight, 1e-5, w, hidden, inter)
+    assert np.array_equal(act.get(), expected.get())
+
+
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("d_in, hidden", [(2048, 2048), (8192, 2048), (576, 576)])
+def test_gemv_add_fp8_equals_gemv_then_residual_add(kernels, scales, d_in, hidden):
+    residual = bf16(RNG.standard_normal((1, hidden)).astype(np.float32))
+    x = up_bf16(RNG.standard_normal((1, d_in)).astype(np.float32))
+    w = fp8_linear(fp8_weight(hidden, d_in, scales))
+    y = poisoned_bf16((1, hidden))
+    kernels.gemv(None, y, x, w, d_in, hidden)
+    expected = gpuarray.to_gpu(residual)
+    separate_add(kernels, expected, y, hidden)
+    got = gpuarray.to_gpu(residual)
+    kernels.gemv_add(None, got, x, w, d_in, hidden)
+    assert np.array_equal(got.get(), expected.get())
+
+
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("d_in, d_out, out_f32, scratch_rows", [(2048, 8192, False, 8192), (8192, 2048, False, 2048),
+                                                                (2048, 50000, True, 16384)])  # (the head in 4 chunks)
+def test_fp8_linear_over_gemm_tiles(cuda_context, kernels, scales, d_in, d_out, out_f32, scratch_rows):
+    """Tiles of 1 row (the GEMV) and of more (cuBLAS on the dequantized weight)."""
+    import pycuda.driver as cuda
+
+    from engine.backends.cuda.cublas import Cublas
+    from engine.backends.cuda.linear import Linear
+
+    stream, workspace = cuda.Stream(), cuda.mem_alloc(32 * 2**20)
+    linear = Linear(Cublas(stream.handle, int(workspace), 32 * 2**20), stream,
+                    gpuarray.empty(scratch_rows * d_in, np.uint16))
+    tiles, rows = [(0, 1), (1, 7), (8, 64), (72, 1)], 73
+    q = fp8_weight(d_out, d_in, scales)
+    x = RNG.standard_normal((rows, d_in)).astype(np.float32)
+    y = gpuarray.to_gpu(np.full((rows, d_out), np.nan, np.float32)) if out_f32 else poisoned_bf16((rows, d_out))
+    linear(kernels, y, up_bf16(x), fp8_linear(q), tiles)
+    stream.synchronize()
+    got = y.get() if out_f32 else bf16_bits_to_f32(y.get())
+    expected = bf16(x) @ q.float32().T
+    for r, n in tiles:
+        assert rel_l2(got[r : r + n], expected[r : r + n]) < TOL, (r, n)
+    linear.blas.close()
+
+
+# -- the whole model -----------------------------------------------------------------
+LENGTHS = np.unique(np.geomspace(1, 2047, 46).round().astype(int)).tolist()  # 40 prompt lengths, 1 to 2,047 tokens
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from devtools.checkpoints import LLAMA_32_1B, make_model
+
+    path = tmp_path_factory.mktemp("llama-3.2-1b-shape")
+    make_model(path, LLAMA_32_1B, seed=0)
+    return path
+
+
+def references(model, source: Path, tmp: Path) -> dict:
+    """transformers' float32 (the exact model: what the numpy backend computes, which its
+    golden tests hold within 1e-6 of it) and bfloat16 (eager attention) on `model`'s
+    weights dequantized, written as a float32 checkpoint with `source`'s config."""
+    import shutil
+
+    import torch
+    import transformers
+    from safetensors.numpy import save_file
+
+    tmp.mkdir()
+    shutil.copy(source / "config.json", tmp / "config.json")
+    save_file({name: t.float32() for name, t in model.weights.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    load = transformers.LlamaForCausalLM.from_pretrained
+    return {"bf16": load(tmp, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval(),
+            "fp32": load(tmp, dtype=torch.float32).cuda().eval()}
+
+
+def hf_last_logits(hf, ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return hf(torch.tensor([ids], device="cuda")).logits[0, -1].float().cpu().numpy()
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+def measure(engine, hf: dict, prompts: list[list[int]]) -> dict:
+    """Against the exact model over the prompts: the mean relative L2 error of the last
+    position's logits, the share of first tokens (argmax) it agrees on, and the mean
+    error of the log-probability of the exact model's choice; ours and transformers'
+    bfloat16, and our logits."""
+    from devtools.probes import our_logits
+
+    out = {"ours": [], "bf16": [], "logits": []}
+    for ids in prompts:
+        exact = hf_last_logits(hf["fp32"], ids)
+        top = int(exact.argmax())
+        for who, got in (("ours", our_logits(engine, ids)), ("bf16", hf_last_logits(hf["bf16"], ids))):
+            out[who].append((rel_l2(got, exact), int(got.argmax()) == top,
+                             abs(log_softmax(got)[top] - log_softmax(exact)[top])))
+            if who == "ours":
+                out["logits"].append(got)
+    return {who: np.mean(out[who], axis=0) for who in ("ours", "bf16")} | {"logits": out["logits"]}
+
+
+@pytest.fixture(scope="module")
+def bf16_run(llama_dir, tmp_path_factory):
+    """Our bfloat16 path against its exact model, on the same prompts: the bar."""
+    from engine.backends.cuda.backend import CudaBackend
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.model_loader import load_model
+
+    model = load_model(llama_dir)
+    engine = LLMEngine(model, CudaBackend(model.config, model.model_weights()),
+                       EngineConfig(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=4096))
+    prompts = [prompt_of(engine, n) for n in LENGTHS]
+    return prompts, measure(engine, references(model, llama_dir, tmp_path_factory.mktemp("bf16") / "ref"), prompts)
+
+
+def prompt_of(engine, n: int) -> list[int]:
+    from devtools.checkpoints import TEXT
+
+    ids = [128000] + engine.tokenizer.encode(TEXT * 60, add_special_tokens=False)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+@pytest.mark.parametrize("fmt", ["fp8-rows", "fp8-blocks", "fp8-rows-and-head"])
+def test_fp8_model_matches_its_exact_model_as_bf16_does(llama_dir, tmp_path, bf16_run, fmt):
+    """The layers in FP8 with per-row scales (as --quantization fp8 and compressed-tensors
+    checkpoints) or 128 x 128 blocks (Hugging Face's fp8), and the tied head too
+    (--quantize-lm-head), quantized by devtools' fast quantizer (our reference one takes
+    minutes at this shape): over 40 prompts of 1 to 2,047 tokens, ours against the
+    exact dequantized model as close as transformers' bfloat16 of it, and as our
+    bfloat16 path against its own exact model."""
+    from devtools.quantized import fp8_model
+    from engine.backends.cuda.backend import CudaBackend
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.model_loader import load_model
+
+    model = fp8_model(load_model(llama_dir), (128, 128) if fmt == "fp8-blocks" else None, head=fmt.endswith("head"))
+    engine = LLMEngine(model, CudaBackend(model.config, model.model_weights()),
+                       EngineConfig(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=4096))
+    assert engine.backend.weights.lm_head.format == ("fp8" if fmt.endswith("head") else "bf16")
+    assert {w.format for w in engine.backend.weights.layers[0].values() if hasattr(w, "format")} == {"fp8"}
+    prompts, base = bf16_run
+    got = measure(engine, references(model, llama_dir, tmp_path / "ref"), prompts)
+    added = np.mean([rel_l2(a, b) for a, b in zip(got["logits"], base["logits"])])
+    names = ("logits rel L2", "first-token agreement", "log-prob error")
+    print(f"\n{fmt} over {len(prompts)} prompts of 1-2047 tokens, against the exact dequantized model:")
+    for label, values in ((f"ours, {fmt}", got["ours"]), ("transformers bf16 of it", got["bf16"]),
+                          ("ours, bf16 model, against its exact model", base["ours"])):
+        print("  " + label + ": " + ", ".join(f"{n} {v:.3g}" for n, v in zip(names, values)))
+    print(f"  the format's change to our bf16 model's logits: rel L2 {added:.3g}")
+    # The bars: the larger of transformers' bfloat16 error on these weights and our
+    # bfloat16 path's on its own model (random weights differ in how much bfloat16
+    # rounding moves their logits: the FP8 model's more than the bfloat16 one's).
+    err, agree, logprob = got["ours"]
+    assert err < 1.1 * max(got["bf16"][0], base["ours"][0]) + 1e-3
+    assert agree >= min(got["bf16"][1], base["ours"][1]) - 0.15  # (two standard deviations of a 40-prompt rate)
+    assert logprob < 1.5 * max(got["bf16"][2], base["ours"][2]) + 1e-3
