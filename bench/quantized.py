@@ -108,7 +108,10 @@ def main() -> None:
     ap.add_argument("--no-kernels", dest="kernels", action="store_false", help="skip the per-matrix table")
     ap.add_argument("--kernels-only", action="store_true", help="only the per-matrix table")
     args = ap.parse_args()
-    rows, kernels = [], []
+    rows = []
+    if args.kernels:
+        print(f"{'format':<10} | {'matrix':<23} | {'shape':<11} | " + " | ".join(f"{r:>4} rows" for r in KERNEL_ROWS)
+              + "   (microseconds; TB/s of its weight at 1 row)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp), LLAMA_32_1B, seed=0)
         base = load_model(tmp)
@@ -121,15 +124,13 @@ def main() -> None:
                 rows.append(result)
                 print(result, flush=True)
             if args.kernels:
-                kernels += kernel_times(backend, name)
+                kernels = kernel_times(backend, name)
+                for key in dict.fromkeys(r["matrix"] for r in kernels):
+                    got = [r for r in kernels if r["matrix"] == key]
+                    cells = " | ".join(f"{r['us']:9.1f}" for r in got)
+                    print(f"{name:<10} | {key:<23} | {got[0]['shape']:<11} | {cells}   ({got[0]['tbs']:.2f} TB/s)",
+                          flush=True)
             del backend
-    if kernels:
-        print(f"\n{'format':<10} | {'matrix':<23} | {'shape':<11} | " + " | ".join(f"{r:>4} rows" for r in KERNEL_ROWS)
-              + "   (microseconds; TB/s of its weight at 1 row)")
-        for key in dict.fromkeys((r["format"], r["matrix"]) for r in kernels):
-            got = [r for r in kernels if (r["format"], r["matrix"]) == key]
-            cells = " | ".join(f"{r['us']:9.1f}" for r in got)
-            print(f"{key[0]:<10} | {key[1]:<23} | {got[0]['shape']:<11} | {cells}   ({got[0]['tbs']:.2f} TB/s)")
     if not rows:
         return
     print(f"\n{'format':<10} | {'weights read/token GB':>21} | {'floor ms':>8} | {'ms/token':>8} | {'GPU step ms':>11} | "
