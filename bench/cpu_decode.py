@@ -14,10 +14,11 @@ tokens/s counts them over the wall time of the whole generation, prefill include
 best of --repeats runs after a warm-up run of a few tokens (the cores may be shared: the
 load averages printed before and after say how busy they were). Each engine runs in a
 process of its own, one at a time, so that no engine's threads or memory outlive its
-figure: llamastream's with each backend --backends names (engine.backends.create_backend,
-in a fork of this process, which holds the model), llama.cpp with --threads threads
-(bench/llama_cpp_decode.py), transformers in float32, dequantizing the GGUF, where torch
-is installed (a fork too). A column an engine cannot fill says why.
+figure, each on --threads threads (default: the cores this process may use; numpy's own
+BLAS takes them all): llamastream's with each backend --backends names
+(engine.backends.create_backend, in a fork of this process, which holds the model),
+llama.cpp's (bench/llama_cpp_decode.py), transformers' in float32, dequantizing the GGUF,
+where torch is installed (a fork too). A column an engine cannot fill says why.
 
 Each figure is beside its ceiling: the batch over the floor of a step's time, the weight
 bytes one step reads, as stored (quantized blocks; the tied embedding counted whole, as
@@ -125,12 +126,12 @@ def step_bytes(model: LoadedModel, batch: int) -> int:
     return sum(t.nbytes for name, t in w.items() if name != EMBED) + head + batch * embed.nbytes // embed.shape[0]
 
 
-def ours(model: LoadedModel, backend_name: str, prompts: list[list[int]], new_tokens: int,
-         repeats: int) -> tuple[float, str]:
+def ours(model: LoadedModel, backend_name: str, prompts: list[list[int]], new_tokens: int, repeats: int,
+         threads: int) -> tuple[float, str]:
     """Tokens/s of llamastream's engine on `backend_name`, greedy, and the backend's class
-    (what the name means today). The prefix cache is off: the warm-up's prompts would
+    (what the name means today); `threads` is the cpu backend's. The prefix cache is off: the warm-up's prompts would
     otherwise spare the timed run's prefill."""
-    backend = create_backend(backend_name, model.config, model.model_weights())
+    backend = create_backend(backend_name, model.config, model.model_weights(), threads=threads)
     blocks = len(prompts) * (-(-(max(map(len, prompts)) + new_tokens) // 16) + 1)  # (16: the block size)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=blocks, max_num_seqs=len(prompts),
                                                     max_model_len=blocks * 16, enable_prefix_caching=False))
@@ -260,7 +261,7 @@ def main() -> None:
     ap.add_argument("--backends", default="numpy,cpu", help="llamastream's backends, by create_backend's names")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each figure, the best taken")
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp's and torch's")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="every engine's")
     ap.add_argument("--llama-cpp-python", default=default_llama_cpp_python(),
                     help="an interpreter with llama-cpp-python (default: .venv-bench's, else this one's if it has it)")
     ap.add_argument("--models-dir", type=Path, default=ROOT / "bench" / "out")
@@ -294,7 +295,7 @@ def main() -> None:
             cells = []
             for name in backends:
                 try:
-                    tps, cls = forked(ours, model, name, ps, args.new_tokens, args.repeats)
+                    tps, cls = forked(ours, model, name, ps, args.new_tokens, args.repeats, args.threads)
                     note = f"{name}: {cls}"
                 except RuntimeError as e:  # (an unknown name, a missing compiler, a format it does not serve)
                     tps, note = None, f"{name}: skipped, {e}"
