@@ -1,9 +1,9 @@
 """Offline throughput of the CUDA engine (the nano-vllm benchmark): 256 requests with
 prompt and output lengths uniform in 100..1024 random tokens, eos ignored, all
-submitted at once; Llama 3.2 1B shape, bfloat16, random weights.
+submitted at once; Llama 3.2 1B shape, bfloat16 (or FP8 layers with --format), random weights.
 
     python bench/engine_throughput.py [--model llama-3.2-1b|qwen3-0.6b] [--requests 256] [--batch-invariant]
-                                      [--no-transformers]   # NVIDIA GPU, torch
+                                      [--format bf16|fp8|fp8-head] [--no-transformers]   # NVIDIA GPU, torch
 
 Beside it, in the same run, transformers' `generate` on the same requests as one
 static batch: prompts left-padded, every row decoding to the longest output, and
@@ -31,12 +31,15 @@ import pycuda.driver as cuda
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.backends.cuda.backend import CudaBackend  # noqa: E402
+from engine.backends.cuda.linear import LinearWeight  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from devtools.checkpoints import SHAPES, make_model  # noqa: E402
+from devtools.quantized import fp8_model  # noqa: E402
 
 BANDWIDTH, PEAK = 4.27e12, 790e12
+FORMATS = {"bf16": lambda m: m, "fp8": fp8_model, "fp8-head": lambda m: fp8_model(m, head=True)}
 
 
 def decode_costs(config) -> tuple[float, float, float]:
@@ -54,6 +57,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--batch-invariant", action="store_true", help="GEMMs in fixed row tiles, as the server's flag")
+    ap.add_argument("--format", choices=sorted(FORMATS), default="bf16",
+                    help="the layers' weights: bfloat16, FP8 (per-row scales), or FP8 with the head too")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the transformers run")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -61,7 +66,7 @@ def main() -> None:
     output_lens = rng.integers(100, 1025, args.requests)
     tmp = tempfile.TemporaryDirectory()
     make_model(Path(tmp.name), SHAPES[args.model], seed=0)
-    model = load_model(tmp.name)
+    model = FORMATS[args.format](load_model(tmp.name))
     backend = CudaBackend(model.config, model.model_weights(), batch_invariant=args.batch_invariant)
     blocks = int((prompt_lens + output_lens).sum() // 16 + 2 * args.requests)
     building = time.perf_counter()
@@ -91,10 +96,14 @@ def main() -> None:
     # floor at batch B = all requests, mean context = mean prompt + half the mean output
     B, context = args.requests, prompt_lens.mean() + output_lens.mean() / 2
     weight_bytes, kv_bytes_per_token, flops_per_token = decode_costs(model.config)
+    if args.format != "bf16":  # (the bytes of the matrices as uploaded: FP8 codes and their scales)
+        w = backend.weights
+        weight_bytes = w.lm_head.nbytes + sum(x.nbytes for layer in w.layers for x in layer.values()
+                                              if isinstance(x, LinearWeight))
     step_s = max((weight_bytes + B * context * kv_bytes_per_token) / BANDWIDTH, B * flops_per_token / PEAK)
     theirs = f"{transformers_static_batch(tmp.name, prompts, output_lens):.0f}" if args.transformers else "-"
     tmp.cleanup()
-    print(f"model: {args.model} shape, random weights, bfloat16")
+    print(f"model: {args.model} shape, random weights, {args.format}")
     print(f"{'requests':>8} | {'output tokens':>13} | {'steps':>6} | {'time (s)':>8} | {'output tok/s':>12} | "
           f"{'transformers tok/s':>18} | {'floor tok/s':>11}")
     print(f"{B:>8} | {generated:>13} | {steps:>6} | {elapsed:8.1f} | {generated / elapsed:12.0f} | {theirs:>18} | "
