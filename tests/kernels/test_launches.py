@@ -125,3 +125,16 @@ def test_fp8_weights_run_their_own_kernels(model):
     for ours, theirs in zip(fp8[1:], bf16[1:]):  # (the GEMVs' grids differ: gemv_rows_per_block)
         assert any(launch.kernel.endswith("_fp8") for launch in ours)
         assert [launch.kernel.replace("_fp8", "") for launch in ours] == [launch.kernel for launch in theirs]
+
+
+def test_fp8_of_a_block_size_the_kernels_do_not_read_runs_as_bfloat16(model):
+    """Block scales other than 128 x 128 are uploaded dequantized: a bfloat16 model's launches."""
+    from devtools.quantized import fp8_fast
+
+    quantized = dataclasses.replace(model, weights={
+        name: fp8_fast(t.float32(), (64, 64)) if name.startswith("model.layers.") and len(t.shape) == 2 else t
+        for name, t in model.weights.items()})
+    request = [(list(range(1, 20)), dict(GREEDY, max_tokens=3))]
+    fp8, bf16 = engine_steps(quantized, request, cuda_graphs=False), engine_steps(model, request, cuda_graphs=False)
+    assert [[(launch.kernel, launch.grid) for launch in step] for step in fp8] == \
+        [[(launch.kernel, launch.grid) for launch in step] for step in bf16]
