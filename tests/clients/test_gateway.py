@@ -166,7 +166,7 @@ def test_a_killed_replica_is_routed_around_and_serves_again_once_restarted(model
 def test_a_draining_replica_finishes_its_streams_and_no_request_fails(model_dir):
     """SIGTERM to one replica while streams run on both and more keep coming: its streams
     finish, new requests go to the other one, and every client request succeeds. (Two
-    numpy replicas share this machine's cores: the grace is long enough for a slow one.)"""
+    CPU replicas share this machine's cores: the grace is long enough for a slow one.)"""
     with replicas_behind_gateway(model_dir, "--grace", "120") as (servers, stream, streaming):
         with concurrent.futures.ThreadPoolExecutor(24) as pool:
             early = [pool.submit(stream, i) for i in range(12)]

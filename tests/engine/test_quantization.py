@@ -111,8 +111,8 @@ def test_pack_quantized_symmetric_is_offset_by_eight():
     assert np.array_equal(got.float32(), reference(q, np.full((16, 4), 8), scale, np.arange(32) // 8))
 
 
-def cpu_engine(model, kv_cache_dtype: str = "auto") -> LLMEngine:
-    return LLMEngine(model, create_backend("cpu", model.config, model.model_weights(), kv_cache_dtype=kv_cache_dtype),
+def numpy_engine(model, kv_cache_dtype: str = "auto") -> LLMEngine:
+    return LLMEngine(model, create_backend("numpy", model.config, model.model_weights(), kv_cache_dtype=kv_cache_dtype),
                      EngineConfig(num_kv_blocks=64))
 
 
@@ -131,7 +131,7 @@ def test_every_format_round_trips_and_serves_close_to_its_source(fmt, tmp_path):
         # within a step of its group (INT4), or e4m3's rounding: 3 mantissa bits, subnormals below 2^-6 of a scale
         bound = q.scale[:, q.group] if isinstance(q, Int4Weight) else np.abs(w) / 16 + 3e-6 * np.abs(w).max()
         assert (np.abs(ours.float32() - w) <= bound + 1e-7).all(), name
-    engine = cpu_engine(quantized)
+    engine = numpy_engine(quantized)
     outs = run(engine, [engine.make_sequence("q", [1, 5, 9, 42, 7, 300, 12], SamplingParams(temperature=0.0, max_tokens=8,
                                                                                              ignore_eos=True))])
     assert len(tokens(outs["q"])) == 8
@@ -179,7 +179,7 @@ def test_quantizing_at_load_to_fp8_keeps_the_head_and_serves():
     layers = [t for n, t in model.weights.items() if n.startswith("model.layers.") and len(t.shape) == 2]
     assert layers and all(isinstance(t, Fp8Weight) for t in layers)
     assert not isinstance(model.weights["model.embed_tokens.weight"], Fp8Weight)
-    engine = cpu_engine(model)
+    engine = numpy_engine(model)
     outs = run(engine, [engine.make_sequence("q", [1, 5, 9], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))])
     assert len(tokens(outs["q"])) == 4
 
@@ -214,7 +214,7 @@ def test_compressed_tensors_checkpoints_read_as_the_library_decompresses_them(sc
         assert isinstance(ours, Int4Weight if scheme.startswith("w4") else Fp8Weight), name
         np.testing.assert_allclose(ours.float32(), golden[f"{scheme}/{name}"], rtol=1e-6, atol=1e-7, err_msg=name)
     for i in range(3):
-        logits, _ = prompt_logits(cpu_engine(model), golden[f"ids{i}"].tolist())
+        logits, _ = prompt_logits(numpy_engine(model), golden[f"ids{i}"].tolist())
         assert np.abs(logits - golden[f"{scheme}/logits{i}"]).max() < 1e-4
 
 
@@ -253,10 +253,10 @@ def test_smollm2_quantized_still_answers_paris_and_its_perplexity_is_reported(tm
     hf_dir = convert_gguf(embedded_model_path(), tmp_path / "smollm2")
     write_quantized(hf_dir, tmp_path / "smollm2-awq", "awq", group=64)
     shipped = load_model(hf_dir)
-    engines = {"as shipped": cpu_engine(shipped), "fp8": cpu_engine(load_model(hf_dir, quantization="fp8")),
-               "fp8 with its head": cpu_engine(load_model(hf_dir, quantization="fp8", quantize_lm_head=True)),
-               "int4 (awq)": cpu_engine(load_model(tmp_path / "smollm2-awq")),
-               "fp8 KV cache": cpu_engine(shipped, kv_cache_dtype="fp8")}
+    engines = {"as shipped": numpy_engine(shipped), "fp8": numpy_engine(load_model(hf_dir, quantization="fp8")),
+               "fp8 with its head": numpy_engine(load_model(hf_dir, quantization="fp8", quantize_lm_head=True)),
+               "int4 (awq)": numpy_engine(load_model(tmp_path / "smollm2-awq")),
+               "fp8 KV cache": numpy_engine(shipped, kv_cache_dtype="fp8")}
     figures = {name: perplexity(engine, text) for name, engine in engines.items()}
     print("\nSmolLM2-135M perplexity on tests/fixtures/perplexity.txt: "
           + ", ".join(f"{name} {ppl:.2f}" for name, ppl in figures.items()))
@@ -277,7 +277,7 @@ def test_an_fp8_kv_cache_holds_e4m3_of_what_float32_holds_and_serves_close_to_it
     the first layer's cached K and V are exactly the e4m3 rounding of the float32
     cache's, a block takes a quarter of the bytes, and the logits stay close."""
     model = load_model(TINY_MODEL)
-    engines = {dtype: cpu_engine(model, dtype) for dtype in ("auto", "fp8")}
+    engines = {dtype: numpy_engine(model, dtype) for dtype in ("auto", "fp8")}
     f32, fp8 = engines["auto"].backend, engines["fp8"].backend
     assert fp8.kv_cache_dtype == "fp8_e4m3" and engines["fp8"].info.kv_cache_dtype == "fp8_e4m3"
     assert fp8.kv_cache_bytes_per_block(16) * 4 == f32.kv_cache_bytes_per_block(16)

@@ -19,7 +19,7 @@ GREEDY = pb.SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def server():
-    s = local_server(num_kv_blocks=1024, max_model_len=8192, engine_process=True)  # the numpy backend's default budget
+    s = local_server(num_kv_blocks=1024, max_model_len=8192, engine_process=True, max_num_batched_tokens=128)
     yield s
     s.drain()
 

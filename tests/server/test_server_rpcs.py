@@ -120,7 +120,7 @@ def test_tokenize_and_model_info(client, server):
     assert r.rendered_prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert list(r.token_ids) == tok.encode_chat([{"role": "user", "content": "hi"}])[0]
     info = client.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
-    assert (info.model, info.max_context_length, info.vocab_size, info.backend) == ("tiny-llama", CONTEXT, 512, "numpy")
+    assert (info.model, info.max_context_length, info.vocab_size, info.backend) == ("tiny-llama", CONTEXT, 512, "cpu")
     assert list(info.eos_token_ids) == tok.eos_token_ids and info.has_chat_template
     assert (info.kv_cache_blocks, info.block_size) == (160, 16)
     parameters = sum(t.size for t in load_file(str(TINY_MODEL / "model.safetensors")).values())
@@ -205,8 +205,8 @@ def test_too_many_stop_strings_limit_is_documented():
 
 
 def test_an_fp8_kv_cache_holds_four_times_the_tokens_and_says_so():
-    servers = {dtype: local_server(num_kv_blocks=None, kv_cache_memory_gb=0.01, kv_cache_dtype=dtype)
-               for dtype in ("auto", "fp8")}
+    servers = {dtype: local_server(device="numpy", num_kv_blocks=None, kv_cache_memory_gb=0.01, kv_cache_dtype=dtype)
+               for dtype in ("auto", "fp8")}  # (the numpy backend's, for now)
     try:
         blocks = {dtype: server.engine.info.num_kv_blocks for dtype, server in servers.items()}
         assert 4 * blocks["auto"] <= blocks["fp8"] < 4 * (blocks["auto"] + 1)  # (each rounded down)
