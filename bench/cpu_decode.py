@@ -7,7 +7,7 @@ transformers, on the same GGUF files, the same prompts and the same cores, in on
 (`make bench-cpu` builds llama-cpp-python into .venv-bench and runs this with it.) The
 models: SmolLM2-135M-Instruct from the embedded Q4_1 GGUF at batch 1 and 8, and a random
 Llama 3.2 1B-shaped model in Q8_0 and in Q4_0 at batch 1 (devtools/gguf_models.py writes
-them into --models-dir on first use, about a minute each).
+them into --models-dir on first use, a minute or two each).
 
 Every engine generates exactly --new-tokens greedy tokens per sequence (eos ignored);
 tokens/s counts them over the wall time of the whole generation, prefill included, the
@@ -241,7 +241,7 @@ def models(models_dir: Path) -> list[tuple[str, Path, list[int]]]:
     for kind in ("q8_0", "q4_0"):
         path = models_dir / f"llama-3.2-1b-random.{kind}.gguf"
         if not path.exists():
-            print(f"writing {path} (a random Llama 3.2 1B-shaped model in {kind.upper()}, about a minute)", flush=True)
+            print(f"writing {path} (a random Llama 3.2 1B-shaped model in {kind.upper()}, a minute or two)", flush=True)
             models_dir.mkdir(parents=True, exist_ok=True)
             write_gguf(path, LLAMA_32_1B, TYPES[kind])
         cases.append((f"Llama-3.2-1B-shaped {kind.upper()}", path, [1]))
