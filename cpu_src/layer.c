@@ -118,15 +118,17 @@ struct attention_args {
     float scale;
 };
 
-// Tasks [begin, end) of attention: task t is sequence t / kv_heads's KV head t % kv_heads.
+// Scores of a thread's tasks: grown as contexts need, kept between calls.
+static _Thread_local float *scores;
+static _Thread_local int capacity;
+
+// Tasks [begin, end) of attention: task t is sequence t / heads's query head t % heads.
 static void attention_tasks(void *ctx, int begin, int end) {
     const struct attention_args *a = ctx;
     const int heads = a->heads, d = a->d, ld = (heads + 2 * a->kv_heads) * d, kv = a->kv_heads * d;
     const int group = heads / a->kv_heads;
-    float *scores = NULL;
-    int capacity = 0;
     for (int task = begin; task < end; task++) {
-        const int s = task / a->kv_heads, g = task % a->kv_heads;
+        const int s = task / heads, h = task % heads, g = h / group;
         const int ctx_len = a->start[s] + a->n[s];
         const int64_t *sl = a->slots + a->slot_at[s];
         if (ctx_len > capacity) {
@@ -136,42 +138,38 @@ static void attention_tasks(void *ctx, int begin, int end) {
         }
         for (int t = 0; t < a->n[s]; t++) {
             const int visible = a->start[s] + t + 1;  // causal: positions 0..start + t
-            for (int h = g * group; h < (g + 1) * group; h++) {
-                const float *q = a->qkv + (size_t)(a->q_row[s] + t) * ld + h * d;
-                float top = -INFINITY;
-                for (int j = 0; j < visible; j++) {
-                    const float *k = a->k_cache + sl[j] * kv + g * d;
-                    __m256 acc = _mm256_setzero_ps();
-                    for (int i = 0; i < d; i += 8)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
-                    scores[j] = hsum(acc) * a->scale;
-                    top = fmaxf(top, scores[j]);
-                }
-                float total = softmax_numerators(scores, visible, top);
-                float *o = a->out + (size_t)(a->q_row[s] + t) * heads * d + h * d;
-                for (int i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
-                for (int j = 0; j < visible; j++) {
-                    const float *v = a->v_cache + sl[j] * kv + g * d;
-                    const __m256 p = _mm256_set1_ps(scores[j] / total);
-                    for (int i = 0; i < d; i += 8)
-                        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
-                }
+            const float *q = a->qkv + (size_t)(a->q_row[s] + t) * ld + h * d;
+            float top = -INFINITY;
+            for (int j = 0; j < visible; j++) {
+                const float *k = a->k_cache + sl[j] * kv + g * d;
+                __m256 acc = _mm256_setzero_ps();
+                for (int i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+                scores[j] = hsum(acc) * a->scale;
+                top = fmaxf(top, scores[j]);
+            }
+            float total = softmax_numerators(scores, visible, top);
+            float *o = a->out + (size_t)(a->q_row[s] + t) * heads * d + h * d;
+            for (int i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
+            for (int j = 0; j < visible; j++) {
+                const float *v = a->v_cache + sl[j] * kv + g * d;
+                const __m256 p = _mm256_set1_ps(scores[j] / total);
+                for (int i = 0; i < d; i += 8)
+                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
             }
         }
     }
-    free(scores);
 }
 
 // paged_attention of every sequence of a step. Sequence s has n[s] query rows from row
 // q_row[s] of qkv (its positions start[s]..), and the cache slots of its positions
 // 0..start[s]+n[s]-1 at slots + slot_at[s]. out [rows, heads * d]. The work is shared
-// out by (sequence, kv head); each query head of a group reads the same keys.
+// out by (sequence, query head): at batch 1 there are as many tasks as heads.
 void attention(float *out, const float *qkv, int heads, int kv_heads, int d, int num_seqs, const int *q_row,
                const int *n, const int *start, const int64_t *slots, const int64_t *slot_at, const float *k_cache,
                const float *v_cache, float scale) {
     struct attention_args a = {out, qkv, k_cache, v_cache, heads, kv_heads, d, q_row, n, start, slots, slot_at, scale};
     size_t work = 0;  // multiply-adds, as many again for the values
     for (int s = 0; s < num_seqs; s++) work += (size_t)n[s] * (start[s] + n[s]) * heads * d;
-    const int tasks = num_seqs * kv_heads;
+    const int tasks = num_seqs * heads;
     parallel_for(tasks, work > (1 << 16) ? 1 : tasks, attention_tasks, &a);
 }
