@@ -120,41 +120,75 @@ struct attention_args {
 
 // Scores of a thread's tasks: grown as contexts need, kept between calls.
 static _Thread_local float *scores;
-static _Thread_local int capacity;
+static _Thread_local size_t capacity;
 
-// Tasks [begin, end) of attention: task t is sequence t / heads's query head t % heads.
+#define QUERY_TILE 8  // a sequence's queries that share each pass over its keys and values
+
+// The tn queries t0.. of one head of a sequence (tn a constant, so that the tile's sums
+// stay in registers): each key and value is read once for the tile, the scores of the
+// tile's queries kept meanwhile (those past a query's own position zeroed).
+static inline __attribute__((always_inline)) void query_tile(const int tn, const struct attention_args *a, int s,
+                                                             int h, int t0, size_t stride) {
+    const int d = a->d, ld = (a->heads + 2 * a->kv_heads) * a->d, kv = a->kv_heads * d, g = h / (a->heads / a->kv_heads);
+    const int start = a->start[s], last = start + t0 + tn;
+    const int64_t *sl = a->slots + a->slot_at[s];
+    const float *keys = a->k_cache + g * d, *values = a->v_cache + g * d;
+    const float *q[QUERY_TILE];
+    for (int r = 0; r < tn; r++) q[r] = a->qkv + (size_t)(a->q_row[s] + t0 + r) * ld + h * d;
+    for (int j = 0; j < last; j++) {
+        const float *k = keys + sl[j] * kv;
+        __m256 acc[QUERY_TILE];
+        for (int r = 0; r < tn; r++) acc[r] = _mm256_setzero_ps();
+        for (int i = 0; i < d; i += 8) {
+            const __m256 ki = _mm256_loadu_ps(k + i);
+            for (int r = 0; r < tn; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), ki, acc[r]);
+        }
+        for (int r = 0; r < tn; r++) scores[r * stride + j] = hsum(acc[r]) * a->scale;
+    }
+    float inv[QUERY_TILE];
+    for (int r = 0; r < tn; r++) {
+        float *row = scores + r * stride;
+        const int visible = start + t0 + r + 1;  // causal: positions 0..its own
+        float top = -INFINITY;
+        for (int j = 0; j < visible; j++) top = fmaxf(top, row[j]);
+        inv[r] = 1.0f / softmax_numerators(row, visible, top);
+        for (int j = visible; j < last; j++) row[j] = 0.0f;
+    }
+    for (int i = 0; i < d; i += 8) {  // eight of the head's dimensions over every value, in registers
+        __m256 o[QUERY_TILE];
+        for (int r = 0; r < tn; r++) o[r] = _mm256_setzero_ps();
+        for (int v = 0; v < last; v++) {
+            const __m256 vi = _mm256_loadu_ps(values + sl[v] * kv + i);
+            for (int r = 0; r < tn; r++) o[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * stride + v]), vi, o[r]);
+        }
+        for (int r = 0; r < tn; r++)
+            _mm256_storeu_ps(a->out + (size_t)(a->q_row[s] + t0 + r) * a->heads * d + h * d + i,
+                             _mm256_mul_ps(o[r], _mm256_set1_ps(inv[r])));
+    }
+}
+
+// Tasks [begin, end) of attention: task t is sequence t / heads's query head t % heads,
+// its queries by tiles of QUERY_TILE.
 static void attention_tasks(void *ctx, int begin, int end) {
     const struct attention_args *a = ctx;
-    const int heads = a->heads, d = a->d, ld = (heads + 2 * a->kv_heads) * d, kv = a->kv_heads * d;
-    const int group = heads / a->kv_heads;
     for (int task = begin; task < end; task++) {
-        const int s = task / heads, h = task % heads, g = h / group;
-        const int ctx_len = a->start[s] + a->n[s];
-        const int64_t *sl = a->slots + a->slot_at[s];
-        if (ctx_len > capacity) {
+        const int s = task / a->heads, h = task % a->heads, n = a->n[s];
+        const size_t stride = (size_t)a->start[s] + n;  // a query's row of scores
+        if (QUERY_TILE * stride > capacity) {
             free(scores);
-            capacity = ctx_len;
+            capacity = QUERY_TILE * stride;
             scores = malloc(sizeof(float) * capacity);
         }
-        for (int t = 0; t < a->n[s]; t++) {
-            const int visible = a->start[s] + t + 1;  // causal: positions 0..start + t
-            const float *q = a->qkv + (size_t)(a->q_row[s] + t) * ld + h * d;
-            float top = -INFINITY;
-            for (int j = 0; j < visible; j++) {
-                const float *k = a->k_cache + sl[j] * kv + g * d;
-                __m256 acc = _mm256_setzero_ps();
-                for (int i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
-                scores[j] = hsum(acc) * a->scale;
-                top = fmaxf(top, scores[j]);
-            }
-            float total = softmax_numerators(scores, visible, top);
-            float *o = a->out + (size_t)(a->q_row[s] + t) * heads * d + h * d;
-            for (int i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
-            for (int j = 0; j < visible; j++) {
-                const float *v = a->v_cache + sl[j] * kv + g * d;
-                const __m256 p = _mm256_set1_ps(scores[j] / total);
-                for (int i = 0; i < d; i += 8)
-                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+        for (int t0 = 0; t0 < n; t0 += QUERY_TILE) {
+            switch (n - t0 < QUERY_TILE ? n - t0 : QUERY_TILE) {
+                case 1: query_tile(1, a, s, h, t0, stride); break;
+                case 2: query_tile(2, a, s, h, t0, stride); break;
+                case 3: query_tile(3, a, s, h, t0, stride); break;
+                case 4: query_tile(4, a, s, h, t0, stride); break;
+                case 5: query_tile(5, a, s, h, t0, stride); break;
+                case 6: query_tile(6, a, s, h, t0, stride); break;
+                case 7: query_tile(7, a, s, h, t0, stride); break;
+                default: query_tile(QUERY_TILE, a, s, h, t0, stride); break;
             }
         }
     }
