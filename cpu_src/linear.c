@@ -214,10 +214,12 @@ static void linear_q_rows(void *ctx, int begin, int end) {
     const struct linear_q_args *a = ctx;
     const int nb = a->kp / BLOCK, ldy = a->ldy, kp = a->kp;
     const size_t row_bytes = (size_t)kp * a->bits / 8;
-    for (int o = begin; o < end; o++) {
-        const uint8_t *wq = a->codes + o * row_bytes;
-        const size_t row = (size_t)o * nb;
-        for (int r = 0; r < a->m; r += TILE) {
+    // (a tile of x's rows against every weight row of the chunk: the tile stays in L1
+    // while the chunk's rows come from L2)
+    for (int r = 0; r < a->m; r += TILE) {
+        for (int o = begin; o < end; o++) {
+            const uint8_t *wq = a->codes + o * row_bytes;
+            const size_t row = (size_t)o * nb;
             const int rows = a->m - r < TILE ? a->m - r : TILE;
             float *yr = a->y + (size_t)r * ldy + o;
             const int16_t *xr = a->xq + (size_t)r * kp;

@@ -14,10 +14,11 @@ DEVICES = ("auto", "cpu", "numpy", "cuda")
 log = logging.getLogger("llamastream.engine")
 # Tokens one step may compute, by default. A step's time grows with its tokens, and
 # every running stream waits a step for its next token. On the GPU 2,048 prompt tokens
-# take a few milliseconds. On two CPU cores the numpy backend computes about 300 prompt
-# tokens a second of the embedded model whatever the chunk (32 to 1,024): 128 keeps a
-# step near 0.4 s, where 2,048 held every stream up for about 9 s.
-DEFAULT_TOKEN_BUDGETS = {"cuda": 2048, "cpu": 256, "numpy": 128}
+# take a few milliseconds. On two CPU cores both CPU backends compute about 300 prompt
+# tokens a second of the embedded model whatever the chunk (the cpu backend's attention
+# at 1,024 tokens of context included): 128 keeps a step near 0.4 s, where 2,048 held
+# every stream up for about 7 s.
+DEFAULT_TOKEN_BUDGETS = {"cuda": 2048, "cpu": 128, "numpy": 128}
 
 
 def cuda_unavailable_reason() -> str | None:

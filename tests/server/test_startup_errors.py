@@ -136,6 +136,6 @@ def test_the_start_up_line_gives_the_effective_settings(caplog):
         server.drain()
     messages = [r.getMessage() for r in caplog.records]
     assert (f"serving on 127.0.0.1:{server.port}: model tiny-llama on cpu, float32 weights computed in float32 "
-            "(0.7 MB), float32 KV cache, max-num-seqs 8, max-num-batched-tokens 256, 64 KV blocks of 16 tokens, "
+            "(0.7 MB), float32 KV cache, max-num-seqs 8, max-num-batched-tokens 128, 64 KV blocks of 16 tokens, "
             "context 1024, prefix caching, plaintext, no bearer token") in messages
     assert "--max-model-len 100000 is more than what the KV cache holds: the context is 1024 tokens" in messages
