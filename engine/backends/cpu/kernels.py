@@ -32,8 +32,6 @@ log = logging.getLogger("llamastream.engine")
 
 P, I, F, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
 SIGNATURES = {  # function: argument types (as in cpu_src/)
-    "linear_q": (P, I, P, I, I, I, P, P, P, P, I, P, P, P, P, I, I, I),
-    "linear_float": (P, I, P, I, I, I, P, I, P, I, I),
     "linear_q_packed": (P,),
     "linear_float_packed": (P,),
     "rms_norm": (P, P, P, P, I, I, F),

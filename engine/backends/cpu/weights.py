@@ -2,9 +2,9 @@
 load from every format a checkpoint holds, never widened to float32:
 
 - u4: GGUF Q4_0, Q4_1 and Q4_K, and the INT4 checkpoints (AWQ, GPTQ, compressed-tensors
-  pack-quantized): a nibble a weight, and per block of 32 a scale d and an offset m,
-  w = d * q + m (float32, exact for every one of these formats).
-- u8: GGUF Q8_0, as w = d * (q + 128) - 128 d.
+  pack-quantized): a nibble a weight, and per block of 32 a scale d with an offset m
+  (w = d q + m) or a zero point z (w = d (q - z)).
+- u8: GGUF Q8_0, its signed bytes offset by 128 (a zero point of 128).
 - float: bfloat16, float16 and float32 as they are; FP8 e4m3 with its scales (per
   tensor, row or 128-column block) as a scale per row and group of columns.
 
