@@ -31,23 +31,29 @@
 // as the weights are.
 static void quantize_row(const float *x, int k, int kp, const int32_t *perm, int16_t *xq, float *sx, float *xs) {
     const int nb = kp / BLOCK, grouped = nb / GROUP * GROUP;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < nb; b++) {
-        float v[BLOCK], amax = 0.0f;
+        float v[BLOCK];
         for (int j = 0; j < BLOCK; j++) {
-            int c = b * BLOCK + j;
+            const int c = b * BLOCK + j;
             v[j] = c < k ? x[perm ? perm[c] : c] : 0.0f;
-            amax = fmaxf(amax, fabsf(v[j]));
         }
-        float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < BLOCK; j++) {
-            int16_t value = (int16_t)lrintf(v[j] * inv);
-            // a group's vector j / 2 holds weights j and j + 1 of its 8 blocks, in turn
-            xq[b < grouped ? (b - b % GROUP) * BLOCK + j / 2 * 16 + b % GROUP * 2 + j % 2 : b * BLOCK + j] = value;
-            sum += value;
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < BLOCK; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+        const float top = hmax(amax);
+        const __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+        int32_t q[BLOCK];
+        __m256i sum = _mm256_setzero_si256();
+        for (int j = 0; j < BLOCK; j += 8) {  // (to nearest, ties to even, as lrintf)
+            const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + j), inv));
+            _mm256_storeu_si256((__m256i *)(q + j), r);
+            sum = _mm256_add_epi32(sum, r);
         }
-        sx[b] = amax / 32767.0f;
-        xs[b] = amax / 32767.0f * (float)sum;
+        // a group's vector j / 2 holds weights j and j + 1 of its 8 blocks, in turn
+        int16_t *out = xq + (size_t)(b - (b < grouped ? b % GROUP : 0)) * BLOCK;
+        for (int j = 0; j < BLOCK; j++) out[b < grouped ? j / 2 * 16 + b % GROUP * 2 + j % 2 : j] = (int16_t)q[j];
+        sx[b] = top / 32767.0f;
+        xs[b] = top / 32767.0f * (float)hsum(_mm256_cvtepi32_ps(sum));
     }
 }
 
@@ -110,13 +116,12 @@ static inline __m256 block_dot(__m256 acc, __m256i w0, __m256i w1, const int16_t
 static inline __attribute__((always_inline)) void group_dot(__m256 *acc, __m256 *accm, const __m256i *w,
                                                             const int16_t *x, __m256 d, __m256 m, const float *sx,
                                                             const float *xs) {
-    __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();  // (two chains)
-    for (int j = 0; j < 16; j += 2) {
-        p0 = dot_i16(p0, w[j], _mm256_loadu_si256((const __m256i *)(x + 16 * j)));
-        p1 = dot_i16(p1, w[j + 1], _mm256_loadu_si256((const __m256i *)(x + 16 * j + 16)));
-    }
+    __m256i p[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                    _mm256_setzero_si256()};  // (four chains of adds)
+    for (int j = 0; j < 16; j++) p[j % 4] = dot_i16(p[j % 4], w[j], _mm256_loadu_si256((const __m256i *)(x + 16 * j)));
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
     __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(sx));
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), scale, *acc);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, *acc);
     *accm = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs), *accm);
 }
 
