@@ -29,15 +29,19 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def embedding_rows(table, ids: np.ndarray) -> np.ndarray:
+def embedding_rows(table: GgufWeight | Tensor, ids: np.ndarray) -> np.ndarray:
     """The embedding's rows `ids` in float32, dequantizing only those rows."""
     if isinstance(table, GgufWeight):
         return np.asarray(dequantize(table.blocks[ids], table.kind), np.float32).reshape(len(ids), -1)
-    if isinstance(table, Tensor) and table.format == "bf16":
-        return bf16_bits_to_f32(table.data[ids])
-    if isinstance(table, Tensor) and table.format == "f32":
-        return table.data[ids]
-    return table.float32()[ids]
+    return bf16_bits_to_f32(table.data[ids]) if table.format == "bf16" else table.data[ids]
+
+
+def row_readable(table) -> GgufWeight | Tensor:
+    """The embedding as embedding_rows reads it: GGUF blocks, bfloat16 or float32 as they
+    are, any other format (an FP8 one) widened to float32 once, at load."""
+    if isinstance(table, GgufWeight) or (isinstance(table, Tensor) and table.format in ("bf16", "f32")):
+        return table
+    return Tensor.of(table.float32())
 
 
 class Buffer:
@@ -164,14 +168,14 @@ class CpuBackend(NumpyBackend):
         super().__init__(config, weights)
 
     def _hold_weights(self, weights: ModelWeights) -> None:
-        self.embed = weights.embed  # (rows dequantized as a step reads them)
+        self.embed = row_readable(weights.embed)  # (rows dequantized as a step reads them)
         self.lm_head = repack(weights.lm_head)
         self.final_norm = weights.final_norm.float32()
         self.layers = [{name: repack(t) if len(t.shape) == 2 else Buffer(t.float32()) for name, t in layer.items()}
                        for layer in weights.layers]
         linears = [self.lm_head] + [w for layer in self.layers for w in layer.values() if isinstance(w, CpuLinear)]
         norms = [self.final_norm] + [w.array for layer in self.layers for w in layer.values() if isinstance(w, Buffer)]
-        embed_bytes = 0 if weights.embed is weights.lm_head else weights.embed.nbytes
+        embed_bytes = 0 if self.embed is weights.lm_head else self.embed.nbytes  # (a tied head is the embedding)
         self.weight_bytes = sum(w.nbytes for w in linears + norms) + embed_bytes
         self._widest = max(w.kp for w in linears)
         by_dtype: dict[str, int] = {}
