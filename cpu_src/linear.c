@@ -110,26 +110,72 @@ static inline __m256 block_dot(__m256 acc, __m256i w0, __m256i w1, const int16_t
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d_sx), acc);
 }
 
-// acc + a group's products for 8 blocks at once (w: its 16 vectors of weights, x the
-// row's 16): lane i of the int32 sums is block i's dot product, scaled by d[i] sx[i];
-// accm gathers the groups' offsets m[i] xs[i].
-static inline __attribute__((always_inline)) void group_dot(__m256 *acc, __m256 *accm, const __m256i *w,
-                                                            const int16_t *x, __m256 d, __m256 m, const float *sx,
-                                                            const float *xs) {
+// A group's 16 vectors of weights as int16, held as WIDTH registers of `wvec`: with
+// AVX-512, each zmm register holds two consecutive vectors (j and j + 1), so that one
+// vpdpwssd does 32 multiply-adds of pairs; elsewhere a ymm register holds one. Either
+// way register i meets the activations at x + i * WSTEP.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+typedef __m512i wvec;
+#define WIDTH 8
+#define WSTEP 32
+// u4: bytes 16c..16c+15 of a group hold vector c in their low nibbles and c + 8 in their high ones
+static inline void unpack_u4(wvec *w, const uint8_t *q) {
+    const __m512i nibble = _mm512_set1_epi16(0x0F);
+    for (int c = 0; c < 4; c++) {
+        __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * c)));
+        w[c] = _mm512_and_si512(v, nibble);
+        w[c + 4] = _mm512_srli_epi16(v, 4);
+    }
+}
+static inline void unpack_u8(wvec *w, const uint8_t *q) {
+    for (int i = 0; i < 8; i++) w[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * i)));
+}
+// the 8 block sums of a group: w against x (16 int16 per vector, in GROUP_LAYOUT)
+static inline __attribute__((always_inline)) __m256i group_sums(const wvec *w, const int16_t *x) {
+    __m512i p[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                    _mm512_setzero_si512()};  // (four chains of adds)
+    for (int i = 0; i < 8; i++) p[i % 4] = _mm512_dpwssd_epi32(p[i % 4], w[i], _mm512_loadu_si512(x + WSTEP * i));
+    __m512i s = _mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3]));
+    return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));  // vector j's + j + 1's
+}
+#else
+typedef __m256i wvec;
+#define WIDTH 16
+#define WSTEP 16
+static inline void unpack_u4(wvec *w, const uint8_t *q) {
+    const __m256i nibble = _mm256_set1_epi16(0x0F);
+    for (int c = 0; c < 8; c++) {
+        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * c)));
+        w[c] = _mm256_and_si256(v, nibble);
+        w[c + 8] = _mm256_srli_epi16(v, 4);
+    }
+}
+static inline void unpack_u8(wvec *w, const uint8_t *q) {
+    for (int j = 0; j < 16; j++) w[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * j)));
+}
+static inline __attribute__((always_inline)) __m256i group_sums(const wvec *w, const int16_t *x) {
     __m256i p[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                     _mm256_setzero_si256()};  // (four chains of adds)
-    for (int j = 0; j < 16; j++) p[j % 4] = dot_i16(p[j % 4], w[j], _mm256_loadu_si256((const __m256i *)(x + 16 * j)));
-    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
+    for (int j = 0; j < 16; j++) p[j % 4] = dot_i16(p[j % 4], w[j], _mm256_loadu_si256((const __m256i *)(x + WSTEP * j)));
+    return _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
+}
+#endif
+
+// acc + a group's products for 8 blocks at once (w: its weights, x the row's 16 vectors):
+// lane i of the int32 sums is block i's dot product, scaled by d[i] sx[i]; accm
+// gathers the groups' offsets m[i] xs[i].
+static inline __attribute__((always_inline)) void group_dot(__m256 *acc, __m256 *accm, const wvec *w,
+                                                            const int16_t *x, __m256 d, __m256 m, const float *sx,
+                                                            const float *xs) {
     __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(sx));
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, *acc);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(w, x)), scale, *acc);
     *accm = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs), *accm);
 }
 
 // One weight row of u4 against `rows` (<= TILE) quantized rows of x. A group's 128
-// bytes widen, 16 at a time, to two vectors of 16-bit weights: the low nibbles and
-// the high ones (GROUP_LAYOUT). The blocks after the last group come in pairs of 32
-// bytes, byte j holding the pair's first block's weight j in its low nibble and the
-// second's in its high one.
+// bytes widen to int16 weights: the low nibbles and the high ones (GROUP_LAYOUT). The
+// blocks after the last group come in pairs of 32 bytes, byte j holding the pair's
+// first block's weight j in its low nibble and the second's in its high one.
 static inline __attribute__((always_inline)) void u4_row(const int rows, float *y, int ldy, const int16_t *xq,
                                                          const float *sx, const float *xs, int kp, const uint8_t *wq,
                                                          const struct scales *sc, size_t row) {
@@ -138,12 +184,8 @@ static inline __attribute__((always_inline)) void u4_row(const int rows, float *
     __m256 acc[TILE], accm[TILE];
     for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int b = 0; b < grouped; b += GROUP) {
-        __m256i w[16];
-        for (int c = 0; c < 8; c++) {
-            __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK / 2 + 16 * c)));
-            w[c] = _mm256_and_si256(v, nibble);
-            w[c + 8] = _mm256_srli_epi16(v, 4);
-        }
+        wvec w[WIDTH];
+        unpack_u4(w, wq + b * BLOCK / 2);
         const __m256 d = scales8_at(sc->d, row + b, sc->half), m = m8_at(sc, row + b, d);
         for (int r = 0; r < rows; r++)
             group_dot(&acc[r], &accm[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
@@ -174,9 +216,8 @@ static inline __attribute__((always_inline)) void u8_row(const int rows, float *
     __m256 acc[TILE], accm[TILE];
     for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int b = 0; b < grouped; b += GROUP) {
-        __m256i w[16];
-        for (int j = 0; j < 16; j++)
-            w[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK + 16 * j)));
+        wvec w[WIDTH];
+        unpack_u8(w, wq + b * BLOCK);
         const __m256 d = scales8_at(sc->d, row + b, sc->half), m = m8_at(sc, row + b, d);
         for (int r = 0; r < rows; r++)
             group_dot(&acc[r], &accm[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
