@@ -22,6 +22,9 @@
 // of the 8 blocks, so that a multiply-add of pairs (dot_i16) sums each block in its
 // own 32-bit lane: 16 of them make the group's 8 block sums with no shuffling.
 #define GROUP 8
+// Weight bytes read ahead of the group being multiplied (into L1: the rows come from
+// memory, and the hardware's prefetcher alone keeps too few of them in flight).
+#define AHEAD 1024
 // Whether a product is worth more threads: below this many multiply-adds, waking them
 // costs more than it saves.
 #define PARALLEL_MACS (1 << 16)
@@ -66,13 +69,18 @@ static inline int chunk_rows(int n, size_t macs) {
     return chunk < 4 ? 4 : chunk;
 }
 
+static inline void prefetch(const uint8_t *p, int bytes) {
+    for (int i = 0; i < bytes; i += 64) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
+}
+
 // A matrix's block scales: d and m in float32 or (half) float16, [N, blocks] each; or,
-// where m is null, m = -d z with z a byte a block (symmetric and zero-point formats, so
-// that d can stay the checkpoint's float16). Indexed by row * blocks + block.
+// where m is null, m = -d z with z a byte a block (zero-point formats, so that d can
+// stay the checkpoint's float16), or, where z is null too, one zero point for every
+// block (GGUF's Q4_0 and Q8_0: no bytes to read for it). Indexed by row * blocks + block.
 struct scales {
     const void *d, *m;
     const uint8_t *z;
-    int half;
+    int half, zero;
 };
 
 static inline float scale_at(const void *p, size_t i, int half) {
@@ -87,12 +95,13 @@ static inline __m256 scales8_at(const void *p, size_t i, int half) {
 static inline float d_at(const struct scales *s, size_t i) { return scale_at(s->d, i, s->half); }
 
 static inline float m_at(const struct scales *s, size_t i) {
-    return s->m ? scale_at(s->m, i, s->half) : -d_at(s, i) * s->z[i];
+    return s->m ? scale_at(s->m, i, s->half) : -d_at(s, i) * (s->z ? s->z[i] : s->zero);
 }
 
 static inline __m256 m8_at(const struct scales *s, size_t i, __m256 d) {
     if (s->m) return scales8_at(s->m, i, s->half);
-    __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s->z + i))));
+    __m256 z = s->z ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s->z + i))))
+                    : _mm256_set1_ps((float)s->zero);
     return _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), d), z);
 }
 
@@ -185,6 +194,7 @@ static inline __attribute__((always_inline)) void u4_row(const int rows, float *
     for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int b = 0; b < grouped; b += GROUP) {
         wvec w[WIDTH];
+        prefetch(wq + b * BLOCK / 2 + AHEAD, BLOCK * GROUP / 2);
         unpack_u4(w, wq + b * BLOCK / 2);
         const __m256 d = scales8_at(sc->d, row + b, sc->half), m = m8_at(sc, row + b, d);
         for (int r = 0; r < rows; r++)
@@ -217,6 +227,7 @@ static inline __attribute__((always_inline)) void u8_row(const int rows, float *
     for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int b = 0; b < grouped; b += GROUP) {
         wvec w[WIDTH];
+        prefetch(wq + b * BLOCK + AHEAD, BLOCK * GROUP);
         unpack_u8(w, wq + b * BLOCK);
         const __m256 d = scales8_at(sc->d, row + b, sc->half), m = m8_at(sc, row + b, d);
         for (int r = 0; r < rows; r++)
@@ -280,15 +291,15 @@ static void linear_q_rows(void *ctx, int begin, int end) {
 }
 
 // y[M, N] (row stride ldy) = x[M, k] (row stride ldx) @ w^T, w in u4 (bits 4) or u8
-// (bits 8) over kp columns with its block scales (struct scales: d, m or z, half):
+// (bits 8) over kp columns with its block scales (struct scales: d, m or z or zero, half):
 // x quantized first into xq [M, kp], sx and xs [M, kp / 32].
 void linear_q(float *y, int ldy, const float *x, int ldx, int m, int k, const int32_t *perm, int16_t *xq, float *sx,
-              float *xs, int kp, const uint8_t *codes, const void *d, const void *mins, const uint8_t *zeros, int half,
-              int n, int bits) {
+              float *xs, int kp, const uint8_t *codes, const void *d, const void *mins, const uint8_t *zeros, int zero,
+              int half, int n, int bits) {
     const int nb = kp / BLOCK;
     for (int r = 0; r < m; r++)
         quantize_row(x + (size_t)r * ldx, k, kp, perm, xq + (size_t)r * kp, sx + (size_t)r * nb, xs + (size_t)r * nb);
-    struct linear_q_args a = {y, ldy, m, kp, bits, xq, sx, xs, codes, {d, mins, zeros, half}};
+    struct linear_q_args a = {y, ldy, m, kp, bits, xq, sx, xs, codes, {d, mins, zeros, half, zero}};
     parallel_for(n, chunk_rows(n, (size_t)m * n * kp), linear_q_rows, &a);
 }
 
@@ -386,7 +397,7 @@ void linear_float(float *y, int ldy, const float *x, int ldx, int m, int k, cons
 void linear_q_packed(const int64_t *a) {
     linear_q((float *)a[0], (int)a[1], (const float *)a[2], (int)a[3], (int)a[4], (int)a[5], (const int32_t *)a[6],
              (int16_t *)a[7], (float *)a[8], (float *)a[9], (int)a[10], (const uint8_t *)a[11], (const void *)a[12],
-             (const void *)a[13], (const uint8_t *)a[14], (int)a[15], (int)a[16], (int)a[17]);
+             (const void *)a[13], (const uint8_t *)a[14], (int)a[15], (int)a[16], (int)a[17], (int)a[18]);
 }
 
 void linear_float_packed(const int64_t *a) {

@@ -104,7 +104,8 @@ def test_gguf_rows_of_an_odd_number_of_blocks_are_padded(kernels):
 def test_quantized_forms_hold_the_stored_bytes_not_float32():
     w = rng.standard_normal((64, 512)).astype(np.float32)
     assert repack(_gguf(w, GGML.Q4_1)).nbytes == 64 * 512 * 5 // 8  # a nibble a weight, two float16 a block: as GGUF
-    assert repack(_gguf(w, GGML.Q8_0)).nbytes == 64 * 512 * 35 // 32  # a byte a weight, a float16 and a zero point a block
+    assert repack(_gguf(w, GGML.Q8_0)).nbytes == 64 * 512 * 34 // 32  # a byte a weight, a float16 a block: as GGUF
+    assert repack(_gguf(w, GGML.Q4_0)).nbytes == 64 * 512 * 9 // 16  # (their zero points one for the whole matrix)
     assert repack(Fp8Weight.quantize(w)).nbytes == 64 * 512 + 64 * 4
 
 

@@ -3,7 +3,8 @@ load from every format a checkpoint holds, never widened to float32:
 
 - u4: GGUF Q4_0, Q4_1 and Q4_K, and the INT4 checkpoints (AWQ, GPTQ, compressed-tensors
   pack-quantized): a nibble a weight, and per block of 32 a scale d with an offset m
-  (w = d q + m) or a zero point z (w = d (q - z)).
+  (w = d q + m) or a zero point z (w = d (q - z)), one for the whole matrix where the
+  format has one (Q4_0: 8).
 - u8: GGUF Q8_0, its signed bytes offset by 128 (a zero point of 128).
 - float: bfloat16, float16 and float32 as they are; FP8 e4m3 with its scales (per
   tensor, row or 128-column block) as a scale per row and group of columns.
@@ -36,8 +37,9 @@ E4M3_AS_F16 = 256.0  # linear.c reads an e4m3 byte as a float16 of its value / 2
 class CpuLinear:
     """A weight [n, k] as one of the kernels' forms. u4/u8: codes over kp >= k columns
     (zero blocks pad a row to the kernel's width), and per block of 32 a scale d and an
-    offset m, or a zero point z (m = -d z); d and m float16 where that is exact (the
-    checkpoint's own scales, as few bytes as it stores), else float32. float: codes in
+    offset m, or a zero point z (m = -d z), or without either the matrix's one zero
+    point `zero`; d and m float16 where that is exact (the checkpoint's own scales, as
+    few bytes as it stores), else float32. float: codes in
     `kind`, and `scale` per row and group of `group` columns (or None).
     `perm`: the input column each of kp reads, where a checkpoint reordered them."""
 
@@ -49,6 +51,7 @@ class CpuLinear:
     d: np.ndarray | None = None
     m: np.ndarray | None = None
     z: np.ndarray | None = None
+    zero: int = 0
     kind: str = "f32"
     scale: np.ndarray | None = None
     group: int = 0
@@ -81,7 +84,7 @@ class CpuLinear:
         else:
             fn = kernels.linear_q_packed
             args = (y, self.n, x, ldx, rows, self.k, perm, scratch.xq, scratch.sx, scratch.xs, self.kp, codes, d, m, z,
-                    self.d.dtype == np.float16, self.n, 4 if self.form == "u4" else 8)
+                    self.zero, self.d.dtype == np.float16, self.n, 4 if self.form == "u4" else 8)
         return PackedCall(fn, args)
 
     def __call__(self, kernels: CpuKernels, x: np.ndarray) -> np.ndarray:
@@ -138,8 +141,10 @@ def _float(codes: np.ndarray, kind: str, scale: np.ndarray | None = None, group:
 
 
 def _blocks(q: np.ndarray, d: np.ndarray, bits: int, k: int, *, m: np.ndarray | None = None,
-            z: np.ndarray | None = None, perm: np.ndarray | None = None) -> CpuLinear:
-    """u4 or u8 from q [n, blocks, 32] (0..15 or 0..255), d and m or z [n, blocks]."""
+            z: np.ndarray | int | None = None, perm: np.ndarray | None = None) -> CpuLinear:
+    """u4 or u8 from q [n, blocks, 32] (0..15 or 0..255), d and m or z [n, blocks] (or
+    one z for every block)."""
+    zero, z = (z, None) if isinstance(z, int) else (0, z)
     n, blocks, _ = q.shape
     if bits == 4 and blocks % 2:  # (u4 pairs blocks: a zero block completes the last pair)
         q = np.concatenate([q, np.zeros((n, 1, BLOCK), np.uint8)], axis=1)
@@ -158,7 +163,7 @@ def _blocks(q: np.ndarray, d: np.ndarray, bits: int, k: int, *, m: np.ndarray | 
     half = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in scales)
     d, m = (None if a is None else np.ascontiguousarray(a, np.float16 if half else np.float32) for a in (d, m))
     return CpuLinear(f"u{bits}", np.ascontiguousarray(codes, np.uint8), n, k, blocks * BLOCK, d=d, m=m,
-                     z=None if z is None else np.ascontiguousarray(z, np.uint8), perm=perm)
+                     z=None if z is None else np.ascontiguousarray(z, np.uint8), zero=zero, perm=perm)
 
 
 def _from_gguf(w: GgufWeight) -> CpuLinear:
@@ -168,13 +173,13 @@ def _from_gguf(w: GgufWeight) -> CpuLinear:
     if w.kind == GGML.Q8_0:
         d = f16(raw[..., 0:2])
         q = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return _blocks(q, d, 8, k, z=np.full(d.shape, 128))
+        return _blocks(q, d, 8, k, z=128)
     if w.kind in (GGML.Q4_0, GGML.Q4_1):
         d = f16(raw[..., 0:2])
         packed = raw[..., -16:]  # byte j: weight j (low nibble), weight j + 16 (high)
         q = np.concatenate([packed & 0xF, packed >> 4], axis=-1)
         if w.kind == GGML.Q4_0:
-            return _blocks(q, d, 4, k, z=np.full(d.shape, 8))
+            return _blocks(q, d, 4, k, z=8)
         return _blocks(q, d, 4, k, m=f16(raw[..., 2:4]))
     if w.kind == GGML.Q4_K:  # super-blocks of 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
         supers = raw.reshape(-1, raw.shape[-1])
