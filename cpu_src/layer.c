@@ -122,19 +122,28 @@ struct attention_args {
 static _Thread_local float *scores;
 static _Thread_local size_t capacity;
 
-#define QUERY_TILE 8  // a sequence's queries that share each pass over its keys and values
+#define QUERY_TILE 8  // query rows (of a sequence and a kv head) that share each pass over its keys and values
 
-// The tn queries t0.. of one head of a sequence (tn a constant, so that the tile's sums
-// stay in registers): each key and value is read once for the tile, the scores of the
-// tile's queries kept meanwhile (those past a query's own position zeroed).
+// Query rows i0..i0+tn-1 of kv head g of sequence s (tn a constant, so that the tile's
+// sums stay in registers), row i being token i / group's query head g * group + i %
+// group: the query heads that read the same keys and values, and the sequence's tokens,
+// go together, so that each key and value is read once for the tile. The scores of the
+// tile's rows are kept meanwhile (those past a row's own position zeroed).
 static inline __attribute__((always_inline)) void query_tile(const int tn, const struct attention_args *a, int s,
-                                                             int h, int t0, size_t stride) {
-    const int d = a->d, ld = (a->heads + 2 * a->kv_heads) * a->d, kv = a->kv_heads * d, g = h / (a->heads / a->kv_heads);
-    const int start = a->start[s], last = start + t0 + tn;
+                                                             int g, int i0, size_t stride) {
+    const int d = a->d, ld = (a->heads + 2 * a->kv_heads) * a->d, kv = a->kv_heads * d;
+    const int group = a->heads / a->kv_heads, start = a->start[s], last = start + (i0 + tn - 1) / group + 1;
     const int64_t *sl = a->slots + a->slot_at[s];
     const float *keys = a->k_cache + g * d, *values = a->v_cache + g * d;
     const float *q[QUERY_TILE];
-    for (int r = 0; r < tn; r++) q[r] = a->qkv + (size_t)(a->q_row[s] + t0 + r) * ld + h * d;
+    float *out[QUERY_TILE];
+    int visible[QUERY_TILE];  // causal: positions 0..the row's own
+    for (int r = 0; r < tn; r++) {
+        const int t = (i0 + r) / group, h = g * group + (i0 + r) % group;
+        q[r] = a->qkv + (size_t)(a->q_row[s] + t) * ld + h * d;
+        out[r] = a->out + (size_t)(a->q_row[s] + t) * a->heads * d + h * d;
+        visible[r] = start + t + 1;
+    }
     for (int j = 0; j < last; j++) {
         const float *k = keys + sl[j] * kv;
         __m256 acc[QUERY_TILE];
@@ -148,11 +157,10 @@ static inline __attribute__((always_inline)) void query_tile(const int tn, const
     float inv[QUERY_TILE];
     for (int r = 0; r < tn; r++) {
         float *row = scores + r * stride;
-        const int visible = start + t0 + r + 1;  // causal: positions 0..its own
         float top = -INFINITY;
-        for (int j = 0; j < visible; j++) top = fmaxf(top, row[j]);
-        inv[r] = 1.0f / softmax_numerators(row, visible, top);
-        for (int j = visible; j < last; j++) row[j] = 0.0f;
+        for (int j = 0; j < visible[r]; j++) top = fmaxf(top, row[j]);
+        inv[r] = 1.0f / softmax_numerators(row, visible[r], top);
+        for (int j = visible[r]; j < last; j++) row[j] = 0.0f;
     }
     for (int i = 0; i < d; i += 8) {  // eight of the head's dimensions over every value, in registers
         __m256 o[QUERY_TILE];
@@ -161,34 +169,32 @@ static inline __attribute__((always_inline)) void query_tile(const int tn, const
             const __m256 vi = _mm256_loadu_ps(values + sl[v] * kv + i);
             for (int r = 0; r < tn; r++) o[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * stride + v]), vi, o[r]);
         }
-        for (int r = 0; r < tn; r++)
-            _mm256_storeu_ps(a->out + (size_t)(a->q_row[s] + t0 + r) * a->heads * d + h * d + i,
-                             _mm256_mul_ps(o[r], _mm256_set1_ps(inv[r])));
+        for (int r = 0; r < tn; r++) _mm256_storeu_ps(out[r] + i, _mm256_mul_ps(o[r], _mm256_set1_ps(inv[r])));
     }
 }
 
-// Tasks [begin, end) of attention: task t is sequence t / heads's query head t % heads,
-// its queries by tiles of QUERY_TILE.
+// Tasks [begin, end) of attention: task t is sequence t / kv_heads's kv head t %
+// kv_heads, its query rows (tokens times the kv head's query heads) by tiles of QUERY_TILE.
 static void attention_tasks(void *ctx, int begin, int end) {
     const struct attention_args *a = ctx;
     for (int task = begin; task < end; task++) {
-        const int s = task / a->heads, h = task % a->heads, n = a->n[s];
-        const size_t stride = (size_t)a->start[s] + n;  // a query's row of scores
+        const int s = task / a->kv_heads, g = task % a->kv_heads, rows = a->n[s] * (a->heads / a->kv_heads);
+        const size_t stride = (size_t)a->start[s] + a->n[s];  // a query row's scores
         if (QUERY_TILE * stride > capacity) {
             free(scores);
             capacity = QUERY_TILE * stride;
             scores = malloc(sizeof(float) * capacity);
         }
-        for (int t0 = 0; t0 < n; t0 += QUERY_TILE) {
-            switch (n - t0 < QUERY_TILE ? n - t0 : QUERY_TILE) {
-                case 1: query_tile(1, a, s, h, t0, stride); break;
-                case 2: query_tile(2, a, s, h, t0, stride); break;
-                case 3: query_tile(3, a, s, h, t0, stride); break;
-                case 4: query_tile(4, a, s, h, t0, stride); break;
-                case 5: query_tile(5, a, s, h, t0, stride); break;
-                case 6: query_tile(6, a, s, h, t0, stride); break;
-                case 7: query_tile(7, a, s, h, t0, stride); break;
-                default: query_tile(QUERY_TILE, a, s, h, t0, stride); break;
+        for (int i0 = 0; i0 < rows; i0 += QUERY_TILE) {
+            switch (rows - i0 < QUERY_TILE ? rows - i0 : QUERY_TILE) {
+                case 1: query_tile(1, a, s, g, i0, stride); break;
+                case 2: query_tile(2, a, s, g, i0, stride); break;
+                case 3: query_tile(3, a, s, g, i0, stride); break;
+                case 4: query_tile(4, a, s, g, i0, stride); break;
+                case 5: query_tile(5, a, s, g, i0, stride); break;
+                case 6: query_tile(6, a, s, g, i0, stride); break;
+                case 7: query_tile(7, a, s, g, i0, stride); break;
+                default: query_tile(QUERY_TILE, a, s, g, i0, stride); break;
             }
         }
     }
@@ -197,13 +203,14 @@ static void attention_tasks(void *ctx, int begin, int end) {
 // paged_attention of every sequence of a step. Sequence s has n[s] query rows from row
 // q_row[s] of qkv (its positions start[s]..), and the cache slots of its positions
 // 0..start[s]+n[s]-1 at slots + slot_at[s]. out [rows, heads * d]. The work is shared
-// out by (sequence, query head): at batch 1 there are as many tasks as heads.
+// out by (sequence, kv head): each task reads its keys and values once for all the
+// queries that attend to them.
 void attention(float *out, const float *qkv, int heads, int kv_heads, int d, int num_seqs, const int *q_row,
                const int *n, const int *start, const int64_t *slots, const int64_t *slot_at, const float *k_cache,
                const float *v_cache, float scale) {
     struct attention_args a = {out, qkv, k_cache, v_cache, heads, kv_heads, d, q_row, n, start, slots, slot_at, scale};
     size_t work = 0;  // multiply-adds, as many again for the values
     for (int s = 0; s < num_seqs; s++) work += (size_t)n[s] * (start[s] + n[s]) * heads * d;
-    const int tasks = num_seqs * heads;
+    const int tasks = num_seqs * kv_heads;
     parallel_for(tasks, work > (1 << 16) ? 1 : tasks, attention_tasks, &a);
 }
