@@ -14,6 +14,13 @@
 // accumulated in float32. int16 keeps a product within about 1e-5 of float32's (int8,
 // llama.cpp's choice, errs by a logit on small models, enough to flip greedy choices).
 // Rows of w are shared out among the threads (pool.c); each is read once for all of x's rows.
+//
+// PANEL_LAYOUT: a matrix of more than PANEL columns is stored as panels of PANEL columns
+// (the last one what is left), each panel [N, its columns] with its scales [N, its
+// blocks], one after the other. A thread multiplies its rows panel by panel, so that
+// the activations a panel meets (PANEL int16 a row) stay in L1 while the weights stream
+// past: a whole row of 8,192 columns (16 KB of int16) is evicted by them, and reading
+// it from L2 slowed such products by a fifth.
 #include "common.h"
 
 #define TILE 8  // rows of x a weight row meets while it is in registers
@@ -22,6 +29,7 @@
 // of the 8 blocks, so that a multiply-add of pairs (dot_i16) sums each block in its
 // own 32-bit lane: 16 of them make the group's 8 block sums with no shuffling.
 #define GROUP 8
+#define PANEL 2048  // columns (a multiple of GROUP blocks; PANEL_LAYOUT)
 // Weight bytes read ahead of the group being multiplied (into L1: the rows come from
 // memory, and the hardware's prefetcher alone keeps too few of them in flight).
 #define AHEAD 1024
@@ -181,14 +189,19 @@ static inline __attribute__((always_inline)) void group_dot(__m256 *acc, __m256 
     *accm = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs), *accm);
 }
 
-// One weight row of u4 against `rows` (<= TILE) quantized rows of x. A group's 128
+// The row kernels below compute, for one weight row, the products of the columns of a
+// panel: y[r * ldy] (+)= w . x[r] for `rows` (<= TILE) quantized rows of x, x[r] at xq +
+// r * kp (sx and xs at r * nb), the panel `pk` columns, added to y where `add`.
+//
+// One weight row of u4. A group's 128
 // bytes widen to int16 weights: the low nibbles and the high ones (GROUP_LAYOUT). The
 // blocks after the last group come in pairs of 32 bytes, byte j holding the pair's
 // first block's weight j in its low nibble and the second's in its high one.
-static inline __attribute__((always_inline)) void u4_row(const int rows, float *y, int ldy, const int16_t *xq,
-                                                         const float *sx, const float *xs, int kp, const uint8_t *wq,
-                                                         const struct scales *sc, size_t row) {
-    const int nb = kp / BLOCK, grouped = nb / GROUP * GROUP;
+static inline __attribute__((always_inline)) void u4_row(const int rows, float *y, int ldy, int add,
+                                                         const int16_t *xq, const float *sx, const float *xs, int kp,
+                                                         int nb, int pk, const uint8_t *wq, const struct scales *sc,
+                                                         size_t row) {
+    const int pb = pk / BLOCK, grouped = pb / GROUP * GROUP;
     const __m256i nibble = _mm256_set1_epi16(0x0F);
     __m256 acc[TILE], accm[TILE];
     for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
@@ -201,7 +214,7 @@ static inline __attribute__((always_inline)) void u4_row(const int rows, float *
             group_dot(&acc[r], &accm[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
                       xs + (size_t)r * nb + b);
     }
-    for (int b = grouped; b < nb; b += 2) {
+    for (int b = grouped; b < pb; b += 2) {
         __m256i lo16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK / 2)));
         __m256i hi16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK / 2 + 16)));
         __m256i a0 = _mm256_and_si256(lo16, nibble), b0 = _mm256_srli_epi16(lo16, 4);
@@ -214,15 +227,17 @@ static inline __attribute__((always_inline)) void u4_row(const int rows, float *
         }
     }
     for (int r = 0; r < rows; r++)
-        y[(size_t)r * ldy] = hsum(_mm256_add_ps(acc[r], accm[r])) + offsets(sc, row, grouped, nb, xs + (size_t)r * nb);
+        y[(size_t)r * ldy] = (add ? y[(size_t)r * ldy] : 0.0f) + hsum(_mm256_add_ps(acc[r], accm[r])) +
+                             offsets(sc, row, grouped, pb, xs + (size_t)r * nb);
 }
 
-// One weight row of u8 against `rows` (<= TILE) quantized rows of x: groups of 256
-// bytes in GROUP_LAYOUT, then the other blocks' 32 bytes in order.
-static inline __attribute__((always_inline)) void u8_row(const int rows, float *y, int ldy, const int16_t *xq,
-                                                         const float *sx, const float *xs, int kp, const uint8_t *wq,
-                                                         const struct scales *sc, size_t row) {
-    const int nb = kp / BLOCK, grouped = nb / GROUP * GROUP;
+// One weight row of u8: groups of 256 bytes in GROUP_LAYOUT, then the other blocks'
+// 32 bytes in order.
+static inline __attribute__((always_inline)) void u8_row(const int rows, float *y, int ldy, int add,
+                                                         const int16_t *xq, const float *sx, const float *xs, int kp,
+                                                         int nb, int pk, const uint8_t *wq, const struct scales *sc,
+                                                         size_t row) {
+    const int pb = pk / BLOCK, grouped = pb / GROUP * GROUP;
     __m256 acc[TILE], accm[TILE];
     for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int b = 0; b < grouped; b += GROUP) {
@@ -234,14 +249,15 @@ static inline __attribute__((always_inline)) void u8_row(const int rows, float *
             group_dot(&acc[r], &accm[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
                       xs + (size_t)r * nb + b);
     }
-    for (int b = grouped; b < nb; b++) {
+    for (int b = grouped; b < pb; b++) {
         __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK)));
         __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK + 16)));
         for (int r = 0; r < rows; r++)
             acc[r] = block_dot(acc[r], w0, w1, xq + (size_t)r * kp + b * BLOCK, d_at(sc, row + b) * sx[(size_t)r * nb + b]);
     }
     for (int r = 0; r < rows; r++)
-        y[(size_t)r * ldy] = hsum(_mm256_add_ps(acc[r], accm[r])) + offsets(sc, row, grouped, nb, xs + (size_t)r * nb);
+        y[(size_t)r * ldy] = (add ? y[(size_t)r * ldy] : 0.0f) + hsum(_mm256_add_ps(acc[r], accm[r])) +
+                             offsets(sc, row, grouped, pb, xs + (size_t)r * nb);
 }
 
 // The row kernels above with `rows` a constant, so that their accumulators stay in registers.
@@ -259,39 +275,52 @@ static inline __attribute__((always_inline)) void u8_row(const int rows, float *
 
 struct linear_q_args {
     float *y;
-    int ldy, m, kp, bits;
+    int ldy, m, kp, n, bits;
     const int16_t *xq;
     const float *sx, *xs;
     const uint8_t *codes;
     struct scales scales;
 };
 
+// Panel p's scales: those of the blocks from i = N * (its first column / BLOCK) on.
+static inline struct scales panel_scales(const struct scales *s, size_t i) {
+    const size_t size = s->half ? 2 : 4;
+    return (struct scales){(const char *)s->d + i * size, s->m ? (const char *)s->m + i * size : NULL,
+                           s->z ? s->z + i : NULL, s->half, s->zero};
+}
+
 // Output columns [begin, end) of linear_q.
 static void linear_q_rows(void *ctx, int begin, int end) {
     const struct linear_q_args *a = ctx;
     const int nb = a->kp / BLOCK, ldy = a->ldy, kp = a->kp;
-    const size_t row_bytes = (size_t)kp * a->bits / 8;
-    // (a tile of x's rows against every weight row of the chunk: the tile stays in L1
-    // while the chunk's rows come from L2)
+    // (a tile of x's rows against every weight row of the chunk, a panel at a time: the
+    // tile's panel stays in L1 while the chunk's rows come from L2 or memory)
     for (int r = 0; r < a->m; r += TILE) {
-        for (int o = begin; o < end; o++) {
-            const uint8_t *wq = a->codes + o * row_bytes;
-            const size_t row = (size_t)o * nb;
-            const int rows = a->m - r < TILE ? a->m - r : TILE;
-            float *yr = a->y + (size_t)r * ldy + o;
-            const int16_t *xr = a->xq + (size_t)r * kp;
-            const float *sr = a->sx + (size_t)r * nb, *xsr = a->xs + (size_t)r * nb;
-            if (a->bits == 4) {
-                FOR_TILE(u4_row, rows, yr, ldy, xr, sr, xsr, kp, wq, &a->scales, row)
-            } else {
-                FOR_TILE(u8_row, rows, yr, ldy, xr, sr, xsr, kp, wq, &a->scales, row)
+        const int rows = a->m - r < TILE ? a->m - r : TILE;
+        for (int c0 = 0; c0 < kp; c0 += PANEL) {
+            const int pk = kp - c0 < PANEL ? kp - c0 : PANEL, add = c0 > 0;
+            const size_t panel_bytes = (size_t)pk * a->bits / 8;
+            const uint8_t *codes = a->codes + (size_t)a->n * c0 * a->bits / 8;
+            const struct scales sc = panel_scales(&a->scales, (size_t)a->n * (c0 / BLOCK));
+            const int16_t *xr = a->xq + (size_t)r * kp + c0;
+            const float *sr = a->sx + (size_t)r * nb + c0 / BLOCK, *xsr = a->xs + (size_t)r * nb + c0 / BLOCK;
+            for (int o = begin; o < end; o++) {
+                const uint8_t *wq = codes + o * panel_bytes;
+                const size_t row = (size_t)o * (pk / BLOCK);
+                float *yr = a->y + (size_t)r * ldy + o;
+                if (a->bits == 4) {
+                    FOR_TILE(u4_row, rows, yr, ldy, add, xr, sr, xsr, kp, nb, pk, wq, &sc, row)
+                } else {
+                    FOR_TILE(u8_row, rows, yr, ldy, add, xr, sr, xsr, kp, nb, pk, wq, &sc, row)
+                }
             }
         }
     }
 }
 
 // y[M, N] (row stride ldy) = x[M, k] (row stride ldx) @ w^T, w in u4 (bits 4) or u8
-// (bits 8) over kp columns with its block scales (struct scales: d, m or z or zero, half):
+// (bits 8) over kp columns in PANEL_LAYOUT with its block scales (struct scales: d, m or
+// z or zero, half):
 // x quantized first into xq [M, kp], sx and xs [M, kp / 32].
 void linear_q(float *y, int ldy, const float *x, int ldx, int m, int k, const int32_t *perm, int16_t *xq, float *sx,
               float *xs, int kp, const uint8_t *codes, const void *d, const void *mins, const uint8_t *zeros, int zero,
@@ -299,7 +328,7 @@ void linear_q(float *y, int ldy, const float *x, int ldx, int m, int k, const in
     const int nb = kp / BLOCK;
     for (int r = 0; r < m; r++)
         quantize_row(x + (size_t)r * ldx, k, kp, perm, xq + (size_t)r * kp, sx + (size_t)r * nb, xs + (size_t)r * nb);
-    struct linear_q_args a = {y, ldy, m, kp, bits, xq, sx, xs, codes, {d, mins, zeros, half, zero}};
+    struct linear_q_args a = {y, ldy, m, kp, n, bits, xq, sx, xs, codes, {d, mins, zeros, half, zero}};
     parallel_for(n, chunk_rows(n, (size_t)m * n * kp), linear_q_rows, &a);
 }
 

@@ -79,7 +79,7 @@ def weights_of_every_form(n: int, k: int) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("n, k", [(96, 512), (40, 768), (24, 256)])
+@pytest.mark.parametrize("n, k", [(96, 512), (40, 768), (24, 256), (16, 4352)])  # (4352: panels of 2048, 2048, 256)
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
 def test_every_weight_form_multiplies_as_its_dequantized_weights(kernels, n, k, rows):
     x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -99,6 +99,14 @@ def test_gguf_rows_of_an_odd_number_of_blocks_are_padded(kernels):
     assert (linear.form, linear.kp) == ("u4", 192)
     x = rng.standard_normal((2, 160)).astype(np.float32)
     np.testing.assert_allclose(linear(kernels, x), x @ weight.float32().T, atol=2e-4 * np.abs(x @ w.T).max())
+
+
+def test_rows_of_several_panels_and_a_last_one_of_blocks_outside_groups(kernels):
+    w = rng.standard_normal((24, 4192)).astype(np.float32)  # 131 blocks: panels of 64, 64 and 3 (u4: 4)
+    x = rng.standard_normal((3, 4192)).astype(np.float32)
+    for kind in (GGML.Q4_1, GGML.Q8_0):
+        weight = _gguf(w, kind)
+        np.testing.assert_allclose(repack(weight)(kernels, x), x @ weight.float32().T, atol=2e-4 * np.abs(x @ w.T).max())
 
 
 def test_quantized_forms_hold_the_stored_bytes_not_float32():

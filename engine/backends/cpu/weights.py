@@ -29,6 +29,7 @@ from engine.weights import Tensor
 
 BLOCK = 32
 GROUP = 8  # blocks in linear.c's GROUP_LAYOUT
+PANEL = 2048  # columns of a panel in linear.c's PANEL_LAYOUT
 FLOAT_KINDS = {"f32": 0, "bf16": 1, "f16": 2, "e4m3": 3}  # as cpu_src/linear.c's enum
 E4M3_AS_F16 = 256.0  # linear.c reads an e4m3 byte as a float16 of its value / 256
 
@@ -39,8 +40,8 @@ class CpuLinear:
     (zero blocks pad a row to the kernel's width), and per block of 32 a scale d and an
     offset m, or a zero point z (m = -d z), or without either the matrix's one zero
     point `zero`; d and m float16 where that is exact (the checkpoint's own scales, as
-    few bytes as it stores), else float32. float: codes in
-    `kind`, and `scale` per row and group of `group` columns (or None).
+    few bytes as it stores), else float32; codes and scales by panels of PANEL columns.
+    float: codes in `kind`, and `scale` per row and group of `group` columns (or None).
     `perm`: the input column each of kp reads, where a checkpoint reordered them."""
 
     form: str  # "u4", "u8" or "float"
@@ -161,9 +162,15 @@ def _blocks(q: np.ndarray, d: np.ndarray, bits: int, k: int, *, m: np.ndarray | 
     codes = np.concatenate([part.reshape(n, -1) for part in parts], axis=1)
     scales = [a for a in (d, m) if a is not None]
     half = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in scales)
-    d, m = (None if a is None else np.ascontiguousarray(a, np.float16 if half else np.float32) for a in (d, m))
-    return CpuLinear(f"u{bits}", np.ascontiguousarray(codes, np.uint8), n, k, blocks * BLOCK, d=d, m=m,
-                     z=None if z is None else np.ascontiguousarray(z, np.uint8), zero=zero, perm=perm)
+    d, m = (None if a is None else _panels(a.astype(np.float16 if half else np.float32), PANEL // BLOCK) for a in (d, m))
+    return CpuLinear(f"u{bits}", _panels(codes.astype(np.uint8), PANEL * bits // 8), n, k, blocks * BLOCK, d=d, m=m,
+                     z=None if z is None else _panels(z.astype(np.uint8), PANEL // BLOCK), zero=zero, perm=perm)
+
+
+def _panels(a: np.ndarray, width: int) -> np.ndarray:
+    """[n, columns] as linear.c's PANEL_LAYOUT: [n, width] for each `width` columns (the
+    last what is left), one after the other."""
+    return np.concatenate([a[:, c : c + width].ravel() for c in range(0, a.shape[1], width)])
 
 
 def _from_gguf(w: GgufWeight) -> CpuLinear:
