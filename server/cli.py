@@ -60,7 +60,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="what K and V are stored in: auto (float32 on the CPU, bfloat16 on the GPU) or fp8 (e4m3, "
                         "a quarter of float32's bytes; on the CPU backend for now)")
     p.add_argument("--gpu-memory-utilization", type=_number(float, 0, 1, low_open=True), default=d.gpu_memory_utilization,
-                   help="fraction of the GPU's memory the server may use; the KV cache takes what the weights leave")
+                   help="fraction of the GPU's memory this server may use (each its own share, where replicas "
+                        "share a GPU); the KV cache takes what the weights leave")
     p.add_argument("--enforce-eager", action="store_true",
                    help="launch every kernel from Python: no CUDA graphs for decode steps")
     p.add_argument("--batch-invariant", action="store_true",

@@ -37,6 +37,15 @@ WORKSPACE_BYTES = 32 * 2**20
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
 
 
+def kv_cache_budget(fraction: float, total: int, free: int, ours: int) -> float:
+    """Bytes the KV cache may take: this process's share of the GPU (`fraction` of its
+    `total` memory, as vLLM's --gpu-memory-utilization is a share per instance) less
+    what the process holds already (`ours`: weights and buffers), within what is still
+    `free`, less ACTIVATION_RESERVE_BYTES. So replicas sharing a GPU each take their
+    fraction, and a process started beside others takes no more than is left."""
+    return min(fraction * total - ours, free) - ACTIVATION_RESERVE_BYTES
+
+
 @dataclass
 class StepSlot:
     """What one step in flight owns on the host: page-locked memory for its sampled
@@ -65,6 +74,7 @@ class CudaBackend:
         self.device = cuda.Device(device)
         self.ctx = self.device.retain_primary_context()
         with self._context():
+            self._free_at_start = cuda.mem_get_info()[0]  # (what this process takes is measured from here)
             major, minor = self.device.compute_capability()
             sm_count = self.device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
             group = config.num_heads // config.num_kv_heads
@@ -110,10 +120,11 @@ class CudaBackend:
         return KvCache.bytes_per_block(self.config, block_size)
 
     def blocks_for_memory_fraction(self, fraction: float, block_size: int) -> int:
-        """KV blocks that fit while the process stays under `fraction` of the GPU's memory."""
+        """KV blocks that fit while this process stays under `fraction` of the GPU's memory
+        (kv_cache_budget)."""
         with self._context():
             free, total = cuda.mem_get_info()
-        budget = free - (1.0 - fraction) * total - ACTIVATION_RESERVE_BYTES
+        budget = kv_cache_budget(fraction, total, free, self._free_at_start - free)
         return max(0, int(budget // self.kv_cache_bytes_per_block(block_size)))
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
