@@ -68,12 +68,13 @@ static void quantize_row(const float *x, int k, int kp, const int32_t *perm, int
     }
 }
 
-// Rows a thread takes at a time: about 8 turns a thread, so that where the OS takes a
-// core away (the server's other threads, another process) the others finish its rows;
-// all of them where the product is too small to be worth waking other threads.
+// The fewest rows a thread takes at a time (pool.c: more while much is left): small,
+// so that where the OS takes a core away (the server's other threads, another
+// process) the others finish its rows, and the threads finish together; all of them
+// where the product is too small to be worth waking other threads.
 static inline int chunk_rows(int n, size_t macs) {
     if (macs < PARALLEL_MACS) return n;
-    int chunk = n / (8 * threads);
+    int chunk = n / (32 * threads);
     return chunk < 4 ? 4 : chunk;
 }
 

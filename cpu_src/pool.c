@@ -1,6 +1,11 @@
 // The kernels' threads: parallel_for(n, chunk, fn, ctx) runs fn(ctx, begin, end) over
 // [0, n) in chunks, on the calling thread and `threads - 1` workers.
 //
+// A thread claims a share of what is left (a quarter of its part of it), at least
+// `chunk`: large claims first, few of them, then smaller ones, so that the threads
+// finish together (where the last claims were as large as the first, one waited for
+// the other half a claim, 3% of a product).
+//
 // Why not OpenMP: a parallel region ends at a barrier every thread of the team must
 // reach. Where the OS has lent a worker's core to another thread (the server's, another
 // process's), the region waits a scheduler tick for it, even if it has nothing left to
@@ -42,8 +47,9 @@ static int work(uint32_t generation) {
     while ((uint32_t)(s >> 32) == generation) {
         const int begin = (int)(uint32_t)s;
         if (begin >= pool.n) break;
-        if (!atomic_compare_exchange_weak(&pool.state, &s, s + (uint64_t)pool.chunk)) continue;
-        const int end = begin + pool.chunk < pool.n ? begin + pool.chunk : pool.n;
+        const int share = (pool.n - begin) / (4 * threads), size = share > pool.chunk ? share : pool.chunk;
+        if (!atomic_compare_exchange_weak(&pool.state, &s, s + (uint64_t)size)) continue;
+        const int end = begin + size < pool.n ? begin + size : pool.n;
         pool.fn(pool.ctx, begin, end);
         atomic_fetch_add(&pool.done, end - begin);
         any = 1;
