@@ -94,6 +94,16 @@ void rope_and_cache(float *qkv, int rows, int heads, int kv_heads, int d, const 
     }
 }
 
+// the largest of x[0..n)
+static float max_of(const float *x, int n) {
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(x + j));
+    float top = hmax(top8);
+    for (; j < n; j++) top = x[j] > top ? x[j] : top;
+    return top;
+}
+
 // scores[j] = e^(scores[j] - top) for j < n; returns their sum
 static float softmax_numerators(float *scores, int n, float top) {
     __m256 sum = _mm256_setzero_ps();
@@ -144,32 +154,49 @@ static inline __attribute__((always_inline)) void query_tile(const int tn, const
         out[r] = a->out + (size_t)(a->q_row[s] + t) * a->heads * d + h * d;
         visible[r] = start + t + 1;
     }
+    // (each sum in two chains of adds, and each output below in two, halving the
+    // latency a tile of few rows, a decode step's, waits on)
     for (int j = 0; j < last; j++) {
         const float *k = keys + sl[j] * kv;
-        __m256 acc[QUERY_TILE];
-        for (int r = 0; r < tn; r++) acc[r] = _mm256_setzero_ps();
-        for (int i = 0; i < d; i += 8) {
+        __m256 acc[QUERY_TILE], acc2[QUERY_TILE];
+        for (int r = 0; r < tn; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 16 <= d; i += 16) {
+            const __m256 ki = _mm256_loadu_ps(k + i), ki2 = _mm256_loadu_ps(k + i + 8);
+            for (int r = 0; r < tn; r++) {
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), ki, acc[r]);
+                acc2[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i + 8), ki2, acc2[r]);
+            }
+        }
+        if (i < d) {
             const __m256 ki = _mm256_loadu_ps(k + i);
             for (int r = 0; r < tn; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), ki, acc[r]);
         }
-        for (int r = 0; r < tn; r++) scores[r * stride + j] = hsum(acc[r]) * a->scale;
+        for (int r = 0; r < tn; r++) scores[r * stride + j] = hsum(_mm256_add_ps(acc[r], acc2[r])) * a->scale;
     }
     float inv[QUERY_TILE];
     for (int r = 0; r < tn; r++) {
         float *row = scores + r * stride;
-        float top = -INFINITY;
-        for (int j = 0; j < visible[r]; j++) top = fmaxf(top, row[j]);
-        inv[r] = 1.0f / softmax_numerators(row, visible[r], top);
+        inv[r] = 1.0f / softmax_numerators(row, visible[r], max_of(row, visible[r]));
         for (int j = visible[r]; j < last; j++) row[j] = 0.0f;
     }
     for (int i = 0; i < d; i += 8) {  // eight of the head's dimensions over every value, in registers
-        __m256 o[QUERY_TILE];
-        for (int r = 0; r < tn; r++) o[r] = _mm256_setzero_ps();
-        for (int v = 0; v < last; v++) {
+        __m256 o[QUERY_TILE], o2[QUERY_TILE];
+        for (int r = 0; r < tn; r++) o[r] = o2[r] = _mm256_setzero_ps();
+        int v = 0;
+        for (; v + 2 <= last; v += 2) {
+            const __m256 vi = _mm256_loadu_ps(values + sl[v] * kv + i), vi2 = _mm256_loadu_ps(values + sl[v + 1] * kv + i);
+            for (int r = 0; r < tn; r++) {
+                o[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * stride + v]), vi, o[r]);
+                o2[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * stride + v + 1]), vi2, o2[r]);
+            }
+        }
+        if (v < last) {
             const __m256 vi = _mm256_loadu_ps(values + sl[v] * kv + i);
             for (int r = 0; r < tn; r++) o[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * stride + v]), vi, o[r]);
         }
-        for (int r = 0; r < tn; r++) _mm256_storeu_ps(out[r] + i, _mm256_mul_ps(o[r], _mm256_set1_ps(inv[r])));
+        for (int r = 0; r < tn; r++)
+            _mm256_storeu_ps(out[r] + i, _mm256_mul_ps(_mm256_add_ps(o[r], o2[r]), _mm256_set1_ps(inv[r])));
     }
 }
 
