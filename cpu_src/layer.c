@@ -133,6 +133,11 @@ static _Thread_local float *scores;
 static _Thread_local size_t capacity;
 
 #define QUERY_TILE 8  // query rows (of a sequence and a kv head) that share each pass over its keys and values
+#define AHEAD 8       // positions whose key and value are fetched while the scores of an earlier one are computed
+
+static inline void prefetch(const float *p, int floats) {
+    for (int i = 0; i < floats; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
+}
 
 // Query rows i0..i0+tn-1 of kv head g of sequence s (tn a constant, so that the tile's
 // sums stay in registers), row i being token i / group's query head g * group + i %
@@ -158,6 +163,10 @@ static inline __attribute__((always_inline)) void query_tile(const int tn, const
     // latency a tile of few rows, a decode step's, waits on)
     for (int j = 0; j < last; j++) {
         const float *k = keys + sl[j] * kv;
+        if (j + AHEAD < last) {  // (the rows are where the block table puts them: no prefetcher sees them coming)
+            prefetch(keys + sl[j + AHEAD] * kv, d);
+            prefetch(values + sl[j + AHEAD] * kv, d);
+        }
         __m256 acc[QUERY_TILE], acc2[QUERY_TILE];
         for (int r = 0; r < tn; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
         int i = 0;
