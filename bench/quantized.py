@@ -61,42 +61,55 @@ def end_to_end(model, name: str) -> tuple[dict, CudaBackend]:
     return dict(format=name, gb=bytes_per_token(backend) / 1e9, floor=floor, tpot=tpot, gpu=gpu, ttft=ttft), backend
 
 
-def kernel_times(backend: CudaBackend, name: str) -> list[dict]:
-    """Each layer matrix times `rows` rows through the backend's Linear (what a step's
-    GEMM tile does), over the 16 layers' copies in turn (so that the weights come from
-    memory, not the L2), captured as one CUDA graph: the median of 20 replays' events,
-    per product. (Timed launch by launch, the host's launch rate is what is measured.)"""
+def replay_us(backend: CudaBackend, one_pass, products: int) -> float:
+    """Microseconds a product: `one_pass` (which queues `products` of them on the
+    backend's stream) captured as one CUDA graph, the median of 20 replays' events. (Timed
+    launch by launch, the host's launch rate would be what is measured.)"""
     import pycuda.driver as cuda
-    import pycuda.gpuarray as gpuarray
 
     from engine.backends.cuda.graph import CudaGraph
 
+    graph, times = CudaGraph(backend.stream.handle, one_pass), []
+    for _ in range(21):
+        start, end = cuda.Event(), cuda.Event()
+        start.record(backend.stream)
+        graph.launch()
+        end.record(backend.stream)
+        end.synchronize()
+        times.append(end.time_since(start) * 1e3 / products)
+    graph.close()
+    return statistics.median(times[1:])
+
+
+def layer_matrices(backend: CudaBackend) -> dict[str, list[LinearWeight]]:
+    """Each layer matrix's name, with its 16 layers' copies (timed in turn, so that the
+    weights come from memory, not the L2)."""
+    layers = backend.weights.layers
+    return {name: [layer[name] for layer in layers] for name, w in layers[0].items() if isinstance(w, LinearWeight)}
+
+
+def bf16_rows(rows: int, d_in: int):
+    """Random activations on the GPU, bfloat16 [rows, d_in]."""
+    import pycuda.gpuarray as gpuarray
+
+    return gpuarray.to_gpu(f32_to_bf16_bits(np.random.default_rng(0).standard_normal((rows, d_in)).astype(np.float32)))
+
+
+def kernel_times(backend: CudaBackend, name: str) -> list[dict]:
+    """Each layer matrix times `rows` rows through the backend's Linear (what a step's
+    GEMM tile does), replay_us over the layers' copies."""
+    import pycuda.gpuarray as gpuarray
+
     rows_max, results = max(KERNEL_ROWS), []
     with backend._context():
-        st, k = backend.stream, backend.kernels
-        for matrix in backend.weights.layers[0]:
-            ws = [layer[matrix] for layer in backend.weights.layers]
-            if not isinstance(ws[0], LinearWeight):
-                continue
+        for matrix, ws in layer_matrices(backend).items():
             d_out, d_in = ws[0].d_out, ws[0].d_in
-            rng = np.random.default_rng(0)
-            x = gpuarray.to_gpu(f32_to_bf16_bits(rng.standard_normal((rows_max, d_in)).astype(np.float32)))
-            y = gpuarray.empty((rows_max, d_out), np.uint16)
+            x, y = bf16_rows(rows_max, d_in), gpuarray.empty((rows_max, d_out), np.uint16)
             for rows in KERNEL_ROWS:
                 def one_pass() -> None:
                     for w in ws:
-                        backend.linear(k, y[:rows], x[:rows], w, [(0, rows)])
-                graph = CudaGraph(st.handle, one_pass)
-                times = []
-                for _ in range(21):
-                    start, end = cuda.Event(), cuda.Event()
-                    start.record(st)
-                    graph.launch()
-                    end.record(st)
-                    end.synchronize()
-                    times.append(end.time_since(start) * 1e3 / len(ws))
-                graph.close()
-                us = statistics.median(times[1:])
+                        backend.linear(backend.kernels, y[:rows], x[:rows], w, [(0, rows)])
+                us = replay_us(backend, one_pass, len(ws))
                 results.append(dict(format=name, matrix=matrix, shape=f"{d_out}x{d_in}", rows=rows, us=us,
                                     tbs=ws[0].nbytes / us / 1e6))
     return results

@@ -95,3 +95,38 @@ struct Max { __device__ float operator()(float a, float b) const { return fmaxf(
 
 __device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce(v, scratch, 0.f, Add()); }
 __device__ __forceinline__ float block_max(float v, float* scratch) { return block_reduce(v, scratch, -INFINITY, Max()); }
+
+// d += a b on tensor cores: one m16n8k16 tile, bfloat16 in, float32 accumulate, in the
+// fragment layouts of the PTX manual (a: 4 words of bfloat16 pairs, b: 2, d: 4 floats).
+__device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two float32 as one word of bfloat16 pairs, lo in the low half.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// 16 bytes from global to shared memory without passing through registers (cp.async,
+// sm_80 and later), or 16 zero bytes where `valid` is false.
+__device__ __forceinline__ void copy16_async(void* smem, const void* gmem, bool valid) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Wait until at most `pending` of this thread's commit groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(pending)); }
+
+// Four 8x8 bfloat16 matrices from shared memory, transposed: lanes 8i..8i+7 give the row
+// addresses of matrix i, and register i gets this lane's fragment of it (ldmatrix.trans).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}

@@ -1,8 +1,7 @@
-#include <cuda_fp8.h>
-
 #include "activation.cuh"
 #include "rmsnorm.cuh"
 #include "rope.cuh"
+#include "weights.cuh"
 
 // y[o] = sum_i x[i] * w[o, i]: a linear layer for a decode step of one token, which
 // must do no more than read w once. cuBLAS leaves bandwidth unused on these shapes
@@ -47,21 +46,6 @@
 #define GEMV_WARPS 8  // 256 threads: the block add_rmsnorm reduces a row over (rmsnorm.cuh)
 #define UNROLL 8
 #define SPAN (32 * 8)  // bfloat16 weights one warp reads with one load per lane
-#define FP8_BLOCK 128  // rows and columns of a block scale
-
-enum WeightFormat { W_BF16, W_FP8 };
-// Weights in a lane's 16-byte load.
-template <WeightFormat W> constexpr int COLS = W == W_BF16 ? 8 : 16;
-
-// A linear's weight as the GEMVs read it: its rows of d_in values, and an FP8 weight's
-// scales, w[o, i] = code[o, i] * scale[o] (scale_cols == 0), or
-// code[o, i] * scale[o / 128, i / 128] ([ceil(d_out / 128), scale_cols] block scales).
-struct WeightRef {
-    const uint8_t* data;
-    const float* scale;
-    int scale_cols;
-};
-
 // Warps a row of w is split over: a power of two, each slice at least UNROLL loads
 // wide (bench/profile_step.py's gemv rows). Mirrored by cuda_kernels.gemv_split.
 template <WeightFormat W>
@@ -126,23 +110,6 @@ __device__ __forceinline__ void load_weights(uint4* raw, const uint8_t* __restri
         const int c = first + u * lanes * COLS<W>;
         raw[u] = c < end ? __ldg(reinterpret_cast<const uint4*>(w_row + (size_t)c * 16 / COLS<W>)) : make_uint4(0, 0, 0, 0);
     }
-}
-
-// 8 e4m3 codes (two words of a 16-byte load) to float32, by the hardware's pairwise conversion.
-__device__ __forceinline__ void unpack_e4m3x8(uint32_t lo, uint32_t hi, float* out) {
-    const uint32_t words[2] = {lo, hi};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const __nv_fp8x2_storage_t pair = (words[i / 2] >> (16 * (i % 2))) & 0xFFFF;
-        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
-    }
-}
-
-__device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float* out) {
-    unpack_e4m3x8(raw.x, raw.y, out);
-    unpack_e4m3x8(raw.z, raw.w, out + 8);
 }
 
 // Writes RMSNorm(residual) with `norm_weight` to `staged` ([d_in], bfloat16).
@@ -312,7 +279,6 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
 
 // The kernels, each in both formats: NAME with bfloat16 weights `w`, NAME_fp8 with e4m3
 // codes `w` and their `w_scale` (scale_cols 0: one a row; else 128 x 128 blocks).
-__device__ __forceinline__ WeightRef bf16_weight(const bf16* w) { return {reinterpret_cast<const uint8_t*>(w), nullptr, 0}; }
 
 // y = x @ w^T, y float32 if out_f32 else bfloat16
 extern "C" __global__ void GEMV_BOUNDS gemv(void* __restrict__ y, int out_f32, const bf16* __restrict__ x,

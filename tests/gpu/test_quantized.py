@@ -4,7 +4,7 @@ Kernels: the FP8 GEMV (per-row, per-tensor and 128 x 128 block scales) against n
 x @ (codes * scales).T at the bfloat16 kernels' tolerance (relative L2 under 1e-2: the
 activations and outputs are bfloat16); its fused variants bit for bit against the FP8
 GEMV followed by the kernels they replace, as the bfloat16 ones are tested; the
-dequantizing kernel exactly; a Linear over GEMM tiles (cuBLAS on the dequantized weight,
+dequantizing kernel exactly; the skinny GEMM for every split; a Linear over GEMM tiles (cuBLAS on the dequantized weight,
 in chunks of rows where the scratch buffer is smaller than the weight).
 
 The whole model at the Llama 3.2 1B shape (random weights from a fixed seed), with its
@@ -34,8 +34,9 @@ from engine.backends.cuda.weights import fp8_linear  # noqa: E402
 from engine.quantization.fp8 import Fp8Weight  # noqa: E402
 from engine.weights import bf16_bits_to_f32  # noqa: E402
 from tests.gpu.conftest import bf16, rel_l2  # noqa: E402
-from tests.gpu.test_kernels import (TOL, cos_sin_table, i32, kernels_for, llama3_inv_freq, poisoned_bf16,  # noqa: E402
-                                    separate_add, separate_rmsnorm, up_bf16)
+from engine.backends.cuda.kernels import skinny_splits  # noqa: E402
+from tests.gpu.test_kernels import (TOL, assert_skinny_gemm_is_exact_and_row_invariant, cos_sin_table, i32,  # noqa: E402
+                                    kernels_for, llama3_inv_freq, poisoned_bf16, separate_add, separate_rmsnorm, up_bf16)
 
 RNG = np.random.default_rng()
 
@@ -80,6 +81,17 @@ def test_gemv_fp8_matches_numpy_on_any_grid(kernels, scales, d_in, d_out, out_f3
     got = gemv()
     assert rel_l2(got, q.float32() @ bf16(x)) < TOL
     assert np.array_equal(gemv(blocks=3), got)  # the sums do not depend on the grid
+
+
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("d_in, d_out, out_f32", [(2048, 3072, False), (8192, 2048, False), (2048, 128256, True),
+                                                  (576, 1002, False)])
+@pytest.mark.parametrize("rows", [2, 33, 64])
+def test_skinny_gemm_fp8_matches_numpy_for_every_split(kernels, scales, d_in, d_out, out_f32, rows):
+    x = RNG.standard_normal((rows, d_in)).astype(np.float32)
+    q = fp8_weight(d_out, d_in, scales)
+    assert_skinny_gemm_is_exact_and_row_invariant(kernels, x, fp8_linear(q), bf16(x) @ q.float32().T, out_f32,
+                                                  skinny_splits(rows, d_in, "fp8"))
 
 
 @pytest.mark.parametrize("scales", SCALES)
@@ -154,7 +166,8 @@ def test_gemv_add_fp8_equals_gemv_then_residual_add(kernels, scales, d_in, hidde
 @pytest.mark.parametrize("d_in, d_out, out_f32, scratch_rows", [(2048, 8192, False, 8192), (8192, 2048, False, 2048),
                                                                 (2048, 50000, True, 16384)])  # (the head in 4 chunks)
 def test_fp8_linear_over_gemm_tiles(cuda_context, kernels, scales, d_in, d_out, out_f32, scratch_rows):
-    """Tiles of 1 row (the GEMV) and of more (cuBLAS on the dequantized weight)."""
+    """Tiles of 1 row (the GEMV), of up to 32 (the skinny GEMM) and of more (cuBLAS on the
+    dequantized weight)."""
     import pycuda.driver as cuda
 
     from engine.backends.cuda.cublas import Cublas
@@ -163,7 +176,7 @@ def test_fp8_linear_over_gemm_tiles(cuda_context, kernels, scales, d_in, d_out, 
     stream, workspace = cuda.Stream(), cuda.mem_alloc(32 * 2**20)
     linear = Linear(Cublas(stream.handle, int(workspace), 32 * 2**20), stream,
                     gpuarray.empty(scratch_rows * d_in, np.uint16))
-    tiles, rows = [(0, 1), (1, 7), (8, 64), (72, 1)], 73
+    tiles, rows = [(0, 1), (1, 7), (8, 64), (72, 1), (73, 100)], 173
     q = fp8_weight(d_out, d_in, scales)
     x = RNG.standard_normal((rows, d_in)).astype(np.float32)
     y = gpuarray.to_gpu(np.full((rows, d_out), np.nan, np.float32)) if out_f32 else poisoned_bf16((rows, d_out))

@@ -23,6 +23,9 @@ TYPE_CODES = {"P": np.uintp, "i": np.int32, "f": np.float32}
 BACKEND_MODULES = ("pycuda", "pycuda.", "engine.backends.cuda")  # (prefixes) loaded afresh against the stand-in
 
 
+FUNCTION_ATTRIBUTES = types.SimpleNamespace(MAX_DYNAMIC_SHARED_SIZE_BYTES=8)  # (CUfunction_attribute)
+
+
 @dataclass(frozen=True)
 class Launch:
     kernel: str  # a kernel's name, "cublasGemmEx" or "cuGraphLaunch"
@@ -72,16 +75,21 @@ class _Function:
 
     def __init__(self, name: str, launches: list[Launch]):
         self.name, self.signature, self.launches = name, "", launches
+        self.max_shared = 48 * 1024  # a block's without opting in
 
     def prepare(self, signature: str) -> None:
         self.signature = signature
+
+    def set_attribute(self, attribute: int, value: int) -> None:
+        assert attribute == FUNCTION_ATTRIBUTES.MAX_DYNAMIC_SHARED_SIZE_BYTES and value <= 227 * 1024, (attribute, value)
+        self.max_shared = value
 
     def prepared_async_call(self, grid, block, stream, *args, shared_size: int = 0) -> None:
         assert len(args) == len(self.signature), f"{self.name}: {len(args)} arguments for {self.signature!r}"
         for i, (code, arg) in enumerate(zip(self.signature, args)):
             assert isinstance(arg, TYPE_CODES[code]), f"{self.name} argument {i}: {type(arg).__name__} for {code}"
         assert all(g >= 1 for g in grid) and 1 <= int(np.prod(block)) <= 1024, (self.name, grid, block)
-        assert shared_size <= 48 * 1024, (self.name, shared_size)
+        assert shared_size <= self.max_shared, (self.name, shared_size)
         recorded = tuple(("P" if int(a) else 0) if c == "P" else a.item() for c, a in zip(self.signature, args))
         self.launches.append(Launch(self.name, tuple(grid), tuple(block), shared_size, recorded))
 
@@ -161,6 +169,7 @@ def _modules(memory: _Memory, launches: list[Launch]) -> dict[str, types.ModuleT
             return memory.allocate(nbytes)
 
     compiler.SourceModule, tools.DeviceMemoryPool = SourceModule, DeviceMemoryPool
+    driver.function_attribute = FUNCTION_ATTRIBUTES
     pycuda.driver, pycuda.gpuarray, pycuda.compiler, pycuda.tools = driver, gpuarray, compiler, tools
     return {m.__name__: m for m in (pycuda, driver, gpuarray, compiler, tools)}
 

@@ -59,7 +59,7 @@ def test_every_kernel_is_prepared():
 
 
 def test_launch_geometry_matches_the_sources():
-    attention, gemv, sampling = defines("attention.cu"), defines("gemv.cu"), defines("sampling.cu")
+    attention, gemv, sampling, skinny = (defines(f) for f in ("attention.cu", "gemv.cu", "sampling.cu", "skinny_gemm.cu"))
     assert ck.ATTENTION_THREADS == attention["WARPS"] * 32
     assert (ck.PREFILL_THREADS, ck.PREFILL_M_TILE, ck.MAX_PART_BLOCKS) == (
         attention["PREFILL_THREADS"], attention["M_TILE"], attention["MAX_PART_BLOCKS"])
@@ -67,6 +67,10 @@ def test_launch_geometry_matches_the_sources():
     assert ck.GEMV_SLICE == gemv["SPAN"] * gemv["UNROLL"]
     assert ck.HALF_WARP_COLUMNS == gemv["HALF_WARP_COLUMNS"]
     assert (ck.SAMPLE_CLUSTER, ck.SAMPLE_THREADS) == (sampling["SAMPLE_CLUSTER"], sampling["SAMPLE_THREADS"])
+    assert (ck.SKINNY_THREADS, ck.SKINNY_ROWS, ck.SKINNY_MAX_ROWS) == (
+        skinny["SKINNY_THREADS"], skinny["SKINNY_ROWS"], skinny["SKINNY_MAX_ROWS"])
+    offset = re.search(r"SKINNY_X_OFFSET = W == W_BF16 \? (\d+) : (\d+);", source("skinny_gemm.cu"))
+    assert (ck.SKINNY_X_OFFSET["bf16"], ck.SKINNY_X_OFFSET["fp8"]) == (int(offset[1]), int(offset[2]))
 
 
 @pytest.mark.parametrize("d_in, split", [(576, 1), (2048, 1), (4095, 1), (4096, 2), (8192, 4), (16384, 8), (65536, 8)])

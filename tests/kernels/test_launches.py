@@ -112,19 +112,28 @@ def test_a_prompts_last_chunk_replays_a_graph_when_short(model):
 def test_fp8_weights_run_their_own_kernels(model):
     """An FP8 checkpoint (or one quantized at load) keeps its layers FP8 on the GPU: the
     single-token steps launch the FP8 GEMVs where a bfloat16 model launches the
-    bfloat16 ones, and a prompt step dequantizes each layer matrix once (for cuBLAS)."""
+    bfloat16 ones; a prompt step of up to 32 tokens multiplies each layer matrix by the
+    FP8 skinny GEMM where its width allows (else dequantizes it once, for cuBLAS), and
+    a longer one dequantizes each once."""
+    from engine.backends.cuda.kernels import skinny_splits
     from engine.quantization.fp8 import Fp8Weight
 
     quantized = dataclasses.replace(model, weights={
         name: Fp8Weight.quantize(t.float32()) if name.startswith("model.layers.") and len(t.shape) == 2 else t
         for name, t in model.weights.items()})
-    request = [(list(range(1, 20)), dict(GREEDY, max_tokens=3))]
-    fp8, bf16 = engine_steps(quantized, request, cuda_graphs=False), engine_steps(model, request, cuda_graphs=False)
-    layers = model.config.num_layers
-    assert Counter(launch.kernel for launch in fp8[0])["dequantize_fp8"] == 4 * layers  # qkv, o, gate_up, down
+    requests = [(list(range(1, 20)), dict(GREEDY, max_tokens=3))]
+    fp8, bf16 = engine_steps(quantized, requests, cuda_graphs=False), engine_steps(model, requests, cuda_graphs=False)
+    c = model.config
+    widths = [c.hidden_size, c.num_heads * c.head_dim, c.hidden_size, c.intermediate_size]  # qkv, o, gate_up, down
+    skinny = sum(bool(skinny_splits(19, d_in, "fp8")) for d_in in widths)
+    prompt = Counter(launch.kernel for launch in fp8[0])
+    assert sum(n for kernel, n in prompt.items() if kernel.startswith("skinny_gemm_fp8_s")) == skinny * c.num_layers
+    assert prompt["dequantize_fp8"] == (4 - skinny) * c.num_layers
     for ours, theirs in zip(fp8[1:], bf16[1:]):  # (the GEMVs' grids differ: gemv_rows_per_block)
         assert any(launch.kernel.endswith("_fp8") for launch in ours)
         assert [launch.kernel.replace("_fp8", "") for launch in ours] == [launch.kernel for launch in theirs]
+    long_prompt = engine_steps(quantized, [(list(range(1, 100)), dict(GREEDY, max_tokens=1))], cuda_graphs=False)
+    assert Counter(launch.kernel for launch in long_prompt[0])["dequantize_fp8"] == 4 * c.num_layers
 
 
 def test_fp8_of_a_block_size_the_kernels_do_not_read_runs_as_bfloat16(model):

@@ -29,6 +29,10 @@ HALF_WARP_COLUMNS = 2048  # FP8 rows up to this wide take half a warp each (as i
 SAMPLE_CLUSTER, SAMPLE_THREADS = 8, 1024  # blocks a row and threads a block of sample_tokens (sampling.cu)
 STAGED_INPUT_BYTES = 47 * 1024  # gemv.cu's staged input: 48 KB a block takes without opting in, less its static shared memory
 ROW_THREADS = 256  # the block of the row-wise kernels (embedding, add_rmsnorm, silu_and_mul, apply_penalties)
+SKINNY_THREADS, SKINNY_ROWS, SKINNY_MAX_ROWS = 128, 64, 64  # skinny_gemm.cu's block, its rows of w, and of x at most
+SKINNY_X_OFFSET = {"bf16": 64, "fp8": 16}  # bytes a staged row of x takes past a multiple of 128 (skinny_gemm.cu)
+SKINNY_MAX_SHARED = 227 * 1024  # the shared memory a block may opt into (sm_90)
+SKINNY_SPLITS = (1, 2, 4, 8)  # the cluster sizes skinny_gemm.cu is built for (its kernels' _sN)
 
 SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i int, f float)
     "embedding_gather": ("embedding.cu", "PPPPi"),
@@ -49,6 +53,8 @@ SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i in
     "gemv_rmsnorm_rope_fp8": ("gemv.cu", "PPPfPPiPPPPPiiiii"),
     "gemv_rmsnorm_silu_fp8": ("gemv.cu", "PPPfPPiii"),
     "dequantize_fp8": ("gemv.cu", "PPPiiii"),
+    **{f"skinny_gemm_s{n}": ("skinny_gemm.cu", "PiPiPii") for n in SKINNY_SPLITS},
+    **{f"skinny_gemm_fp8_s{n}": ("skinny_gemm.cu", "PiPiPPiii") for n in SKINNY_SPLITS},
     "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
     "apply_token_bitmask": ("sampling.cu", "PPPii"),
     "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
@@ -97,6 +103,31 @@ def gemv_rows_per_block(d_in: int, format: str = "bf16") -> int:
     if format == "fp8" and d_in <= HALF_WARP_COLUMNS:
         return 2 * GEMV_WARPS
     return GEMV_WARPS // gemv_split(d_in, format)
+
+
+def skinny_shared_bytes(rows: int, width: int, format: str) -> int:
+    """skinny_gemm.cu's dynamic shared memory: x's rows (16 a tile) over a slice `width`
+    columns wide (x_stride there), and at least the partial sums' rows."""
+    x_rows = 16 * -(-rows // 16)
+    stride = width + (SKINNY_X_OFFSET[format] - 2 * width) % 128 // 2
+    return max(x_rows * stride * 2, x_rows * (SKINNY_ROWS + 4) * 4)
+
+
+def skinny_splits(rows: int, d_in: int, format: str = "bf16") -> list[int]:
+    """The slices skinny_gemm.cu may split a product's d_in columns into: each a whole
+    number of chunks (4 loads of GEMV_COLUMNS weights), with x's rows over it in a
+    block's shared memory."""
+    return [n for n in SKINNY_SPLITS if d_in % (n * 4 * GEMV_COLUMNS[format]) == 0
+            and skinny_shared_bytes(rows, d_in // n, format) <= SKINNY_MAX_SHARED]
+
+
+def skinny_split(rows: int, d_in: int, d_out: int, format: str, sm_count: int) -> int | None:
+    """Slices of a skinny_gemm.cu product: the fewest that give every SM two blocks,
+    else the most there are (None: none). (For the 1B shape's matrices at up to 32 rows,
+    bench/skinny_gemm.py's table has this the fastest split or within 11% of it, but
+    for the FP8 QKV projection's 8, where 4 takes 7 to 26% less time.)"""
+    groups, splits = -(-d_out // SKINNY_ROWS), skinny_splits(rows, d_in, format)
+    return next((n for n in splits if groups * n >= 2 * sm_count), splits[-1] if splits else None)
 
 
 def gemv_weight(w: Any) -> tuple[str, tuple]:
@@ -165,6 +196,7 @@ class Kernels:
 
     def __init__(self, head_dim: int, group: int, arch: str, sm_count: int, programmatic: bool = False,
                  sources: Path = CUDA_SRC):
+        import pycuda.driver as cuda
         from pycuda.compiler import SourceModule
 
         self.head_dim, self.sm_count = head_dim, sm_count
@@ -176,6 +208,8 @@ class Kernels:
                                              include_dirs=[str(sources)])
             fn = modules[file].get_function(name)
             fn.prepare(signature)
+            if file == "skinny_gemm.cu":  # (over the 48 KB a block takes without opting in)
+                fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, SKINNY_MAX_SHARED)
             self.functions[name] = fn
             # (PyCUDA asks the driver at every read of num_regs: the GEMVs' grids need it every launch)
             self._resident[name] = sm_count * blocks_per_sm(fn.num_regs, 32 * GEMV_WARPS)
@@ -289,6 +323,19 @@ class Kernels:
         self.functions["dequantize_fp8"].prepared_async_call(
             (blocks, 1), (threads, 1, 1), stream, ptr(out), ptr(w.data), ptr(w.scale), np.int32(w.scale_cols),
             np.int32(first_row), np.int32(rows), np.int32(w.d_in))
+
+    # -- skinny_gemm.cu ------------------------------------------------------------------
+    def skinny_gemm(self, stream, y, x, w, rows: int, d_in: int, d_out: int, out_f32: bool = False,
+                    split: int | None = None) -> None:
+        """y = x @ w^T for 2 to SKINNY_MAX_ROWS rows x on tensor cores, over `split`
+        slices of d_in (skinny_split's unless given)."""
+        suffix, weight = gemv_weight(w)
+        format = suffix[1:] or "bf16"
+        split = split or skinny_split(rows, d_in, d_out, format, self.sm_count)
+        self.functions[f"skinny_gemm{suffix}_s{split}"].prepared_async_call(
+            (-(-d_out // SKINNY_ROWS), split), (SKINNY_THREADS, 1, 1), stream, ptr(y), np.int32(out_f32), ptr(x),
+            np.int32(rows), *weight, np.int32(d_in), np.int32(d_out),
+            shared_size=skinny_shared_bytes(rows, d_in // split, format))
 
     # -- sampling.cu --------------------------------------------------------------------
     def apply_penalties(self, stream, logits, vocab: int, entries: int, entry_row, entry_token, entry_count, entry_banned,

@@ -1,10 +1,14 @@
 """Linear layers on the GPU: a weight in its format, and y = x @ w^T by it.
 
-A GEMM tile of one row takes our GEMV (gemv.cu), in the weight's format. Larger tiles
-take cuBLAS in bfloat16: an FP8 weight is first dequantized to bfloat16 into a scratch
-buffer (dequantize_fp8), once per product whatever its tiles, in chunks of rows where
-it is larger than the buffer (the head). The single-token fusions of forward.py (the
-GEMVs that also normalise, rotate or activate) exist in both formats.
+A GEMM tile of one row takes our GEMV (gemv.cu), in the weight's format. A tile of 2 to
+32 rows of an FP8 weight takes our skinny GEMM (skinny_gemm.cu), which reads the codes
+once. Other tiles take cuBLAS in bfloat16: an FP8 weight is first dequantized to
+bfloat16 into a scratch buffer (dequantize_fp8), once per product whatever its tiles,
+in chunks of rows where it is larger than the buffer (the head). The skinny GEMM's
+limits are measured (bench/skinny_gemm.py): at 64 rows it is behind dequantizing and
+cuBLAS, and for bfloat16 weights behind cuBLAS at every row count, as yet.
+The single-token fusions of forward.py (the GEMVs that also normalise, rotate or
+activate) exist in both formats.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from engine.backends.cuda.cublas import Cublas, DataType
-from engine.backends.cuda.kernels import Kernels
+from engine.backends.cuda.kernels import Kernels, skinny_split
 
 BF16, FP8 = "bf16", "fp8"
 FORMATS = (BF16, FP8)
+SKINNY_TILES = {FP8: 32}  # the formats whose tiles of 2 rows to this many take the skinny GEMM
 
 
 @dataclass(frozen=True)
@@ -42,10 +47,12 @@ class LinearWeight:
 class Linear:
     """y = x @ w^T on the stream, one product per GEMM tile of rows (step_metadata).
     `scratch` (a GPUArray) holds a dequantized weight, or a chunk of one, for cuBLAS:
-    bfloat16, at least one row of every quantized weight."""
+    bfloat16, at least one row of every quantized weight. `skinny_tiles`: the largest
+    tile of each format that takes the skinny GEMM (at most SKINNY_MAX_ROWS; benchmarks
+    compare others)."""
 
-    def __init__(self, blas: Cublas, stream, scratch=None):
-        self.blas, self.stream, self.scratch = blas, stream, scratch
+    def __init__(self, blas: Cublas, stream, scratch=None, skinny_tiles: dict[str, int] = SKINNY_TILES):
+        self.blas, self.stream, self.scratch, self.skinny_tiles = blas, stream, scratch, skinny_tiles
 
     def __call__(self, kernels: Kernels, y, x, w: LinearWeight, tiles: list[tuple[int, int]]) -> None:
         """y [rows, d_out] (bfloat16, or float32 for logits) from x [rows, d_in] in bfloat16,
@@ -60,6 +67,8 @@ class Linear:
             y_ptr, x_ptr = int(y.gpudata) + r * y_row, int(x.gpudata) + r * x_row
             if rows == 1:  # (d_in is a multiple of 8, 16 for FP8, as gemv.cu needs: checked at upload)
                 kernels.gemv(self.stream, y_ptr, x_ptr, w, w.d_in, w.d_out, out_f32)
+            elif self._skinny(kernels, w, rows):
+                kernels.skinny_gemm(self.stream, y_ptr, x_ptr, w, rows, w.d_in, w.d_out, out_f32)
             else:
                 gemm_tiles.append((y_ptr, x_ptr, rows))
         if not gemm_tiles:
@@ -76,3 +85,8 @@ class Linear:
             for y_ptr, x_ptr, rows in gemm_tiles:  # (the chunk's columns of y, whose rows stay d_out wide)
                 self.blas.gemm(y_ptr + first * y.dtype.itemsize, y_type, x_ptr, DataType.BF16, int(self.scratch.gpudata),
                                DataType.BF16, rows, w.d_in, n, ldy=w.d_out)
+
+    def _skinny(self, kernels: Kernels, w: LinearWeight, rows: int) -> bool:
+        """Whether a tile of `rows` rows takes the skinny GEMM."""
+        return (rows <= self.skinny_tiles.get(w.format, 0)
+                and skinny_split(rows, w.d_in, w.d_out, w.format, kernels.sm_count) is not None)

@@ -1,0 +1,40 @@
+// A linear layer's weight as the product kernels read it (gemv.cu, skinny_gemm.cu): in
+// bfloat16, or as FP8 e4m3 codes with float32 scales.
+#pragma once
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+
+#define FP8_BLOCK 128  // rows and columns of a block scale
+
+enum WeightFormat { W_BF16, W_FP8 };
+// Weights in a lane's 16-byte load.
+template <WeightFormat W> constexpr int COLS = W == W_BF16 ? 8 : 16;
+
+// A linear's weight as the kernels read it: its rows of d_in values, and an FP8 weight's
+// scales, w[o, i] = code[o, i] * scale[o] (scale_cols == 0), or
+// code[o, i] * scale[o / 128, i / 128] ([ceil(d_out / 128), scale_cols] block scales).
+struct WeightRef {
+    const uint8_t* data;
+    const float* scale;
+    int scale_cols;
+};
+
+__device__ __forceinline__ WeightRef bf16_weight(const bf16* w) { return {reinterpret_cast<const uint8_t*>(w), nullptr, 0}; }
+
+// 8 e4m3 codes (two words of a 16-byte load) to float32, by the hardware's pairwise conversion.
+__device__ __forceinline__ void unpack_e4m3x8(uint32_t lo, uint32_t hi, float* out) {
+    const uint32_t words[2] = {lo, hi};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __nv_fp8x2_storage_t pair = (words[i / 2] >> (16 * (i % 2))) & 0xFFFF;
+        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float* out) {
+    unpack_e4m3x8(raw.x, raw.y, out);
+    unpack_e4m3x8(raw.z, raw.w, out + 8);
+}
