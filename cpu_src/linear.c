@@ -180,14 +180,14 @@ static inline __attribute__((always_inline)) __m256i group_sums(const wvec *w, c
 #endif
 
 // acc + a group's products for 8 blocks at once (w: its weights, x the row's 16 vectors):
-// lane i of the int32 sums is block i's dot product, scaled by d[i] sx[i]; accm
-// gathers the groups' offsets m[i] xs[i].
-static inline __attribute__((always_inline)) void group_dot(__m256 *acc, __m256 *accm, const wvec *w,
-                                                            const int16_t *x, __m256 d, __m256 m, const float *sx,
-                                                            const float *xs) {
+// lane i of the int32 sums is block i's dot product, scaled by d[i] sx[i], and the
+// offset m[i] xs[i] is added in the same lane (one accumulator a row of x: with 8
+// rows, two would not fit in the registers).
+static inline __attribute__((always_inline)) void group_dot(__m256 *acc, const wvec *w, const int16_t *x, __m256 d,
+                                                            __m256 m, const float *sx, const float *xs) {
     __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(sx));
     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(w, x)), scale, *acc);
-    *accm = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs), *accm);
+    *acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs), *acc);
 }
 
 // The row kernels below compute, for one weight row, the products of the columns of a
@@ -204,15 +204,15 @@ static inline __attribute__((always_inline)) void u4_row(const int rows, float *
                                                          size_t row) {
     const int pb = pk / BLOCK, grouped = pb / GROUP * GROUP;
     const __m256i nibble = _mm256_set1_epi16(0x0F);
-    __m256 acc[TILE], accm[TILE];
-    for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    __m256 acc[TILE];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < grouped; b += GROUP) {
         wvec w[WIDTH];
         prefetch(wq + b * BLOCK / 2 + AHEAD, BLOCK * GROUP / 2);
         unpack_u4(w, wq + b * BLOCK / 2);
         const __m256 d = scales8_at(sc->d, row + b, sc->half), m = m8_at(sc, row + b, d);
         for (int r = 0; r < rows; r++)
-            group_dot(&acc[r], &accm[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
+            group_dot(&acc[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
                       xs + (size_t)r * nb + b);
     }
     for (int b = grouped; b < pb; b += 2) {
@@ -228,7 +228,7 @@ static inline __attribute__((always_inline)) void u4_row(const int rows, float *
         }
     }
     for (int r = 0; r < rows; r++)
-        y[(size_t)r * ldy] = (add ? y[(size_t)r * ldy] : 0.0f) + hsum(_mm256_add_ps(acc[r], accm[r])) +
+        y[(size_t)r * ldy] = (add ? y[(size_t)r * ldy] : 0.0f) + hsum(acc[r]) +
                              offsets(sc, row, grouped, pb, xs + (size_t)r * nb);
 }
 
@@ -239,15 +239,15 @@ static inline __attribute__((always_inline)) void u8_row(const int rows, float *
                                                          int nb, int pk, const uint8_t *wq, const struct scales *sc,
                                                          size_t row) {
     const int pb = pk / BLOCK, grouped = pb / GROUP * GROUP;
-    __m256 acc[TILE], accm[TILE];
-    for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    __m256 acc[TILE];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < grouped; b += GROUP) {
         wvec w[WIDTH];
         prefetch(wq + b * BLOCK + AHEAD, BLOCK * GROUP);
         unpack_u8(w, wq + b * BLOCK);
         const __m256 d = scales8_at(sc->d, row + b, sc->half), m = m8_at(sc, row + b, d);
         for (int r = 0; r < rows; r++)
-            group_dot(&acc[r], &accm[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
+            group_dot(&acc[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
                       xs + (size_t)r * nb + b);
     }
     for (int b = grouped; b < pb; b++) {
@@ -257,7 +257,7 @@ static inline __attribute__((always_inline)) void u8_row(const int rows, float *
             acc[r] = block_dot(acc[r], w0, w1, xq + (size_t)r * kp + b * BLOCK, d_at(sc, row + b) * sx[(size_t)r * nb + b]);
     }
     for (int r = 0; r < rows; r++)
-        y[(size_t)r * ldy] = (add ? y[(size_t)r * ldy] : 0.0f) + hsum(_mm256_add_ps(acc[r], accm[r])) +
+        y[(size_t)r * ldy] = (add ? y[(size_t)r * ldy] : 0.0f) + hsum(acc[r]) +
                              offsets(sc, row, grouped, pb, xs + (size_t)r * nb);
 }
 
