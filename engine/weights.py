@@ -88,6 +88,12 @@ class Tensor:
 Weights = dict[str, Tensor]
 
 
+def is_layer_matrix(name: str, tensor) -> bool:
+    """Whether a checkpoint tensor is one of the layers' matrices (the projections that
+    quantized formats store quantized; not the norms, the embedding or the head)."""
+    return name.startswith("model.layers.") and len(tensor.shape) == 2
+
+
 @dataclass
 class ModelWeights:
     """The weights the model reads: the embedding, the final norm, the head (the

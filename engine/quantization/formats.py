@@ -7,7 +7,7 @@ import numpy as np
 
 from engine.quantization.fp8 import Fp8Weight
 from engine.quantization.int4 import Int4Weight, from_awq, from_gptq, from_pack_quantized
-from engine.weights import Weights
+from engine.weights import Weights, is_layer_matrix
 
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")  # quantization_config.quant_method
 QUANTIZE_AT_LOAD = ("fp8",)  # --quantization
@@ -116,7 +116,7 @@ def quantize_at_load(method: str, weights: Weights, head: str | None = None) -> 
     if method not in QUANTIZE_AT_LOAD:
         raise ValueError(f"--quantization {method}: llamastream quantizes at load to {', '.join(QUANTIZE_AT_LOAD)}")
     out = dict(weights)
-    for name in [n for n, t in weights.items() if n.startswith("model.layers.") and len(t.shape) == 2] + [head] * bool(head):
+    for name in [n for n, t in weights.items() if is_layer_matrix(n, t)] + [head] * bool(head):
         if isinstance(out[name], (Fp8Weight, Int4Weight)):
             raise ValueError(f"--quantization {method}: {name} is quantized already (the checkpoint is): "
                              "leave --quantization out")

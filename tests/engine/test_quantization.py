@@ -22,6 +22,7 @@ from engine.quantization.fp8 import E4M3, Fp8Weight, e4m3_to_f32, f32_to_e4m3
 from engine.quantization.int4 import AWQ_ORDER, Int4Weight, from_awq, from_gptq, from_pack_quantized, pack_int32
 from engine.quantization.int4 import _AWQ_SHIFTS
 from engine.sampling_params import SamplingParams
+from engine.weights import is_layer_matrix
 from tests.conftest import TINY_MODEL, run, tokens
 
 RNG = np.random.default_rng(0)
@@ -176,7 +177,7 @@ def test_quantizing_a_quantized_checkpoint_again_is_refused(tmp_path):
 
 def test_quantizing_at_load_to_fp8_keeps_the_head_and_serves():
     model = load_model(TINY_MODEL, quantization="fp8")
-    layers = [t for n, t in model.weights.items() if n.startswith("model.layers.") and len(t.shape) == 2]
+    layers = [t for n, t in model.weights.items() if is_layer_matrix(n, t)]
     assert layers and all(isinstance(t, Fp8Weight) for t in layers)
     assert not isinstance(model.weights["model.embed_tokens.weight"], Fp8Weight)
     engine = numpy_engine(model)

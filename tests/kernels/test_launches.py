@@ -14,7 +14,7 @@ import pytest
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
-from engine.weights import Tensor
+from engine.weights import Tensor, is_layer_matrix
 from tests.kernels.recording_pycuda import recording_pycuda
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -119,7 +119,7 @@ def test_fp8_weights_run_their_own_kernels(model):
     from engine.quantization.fp8 import Fp8Weight
 
     quantized = dataclasses.replace(model, weights={
-        name: Fp8Weight.quantize(t.float32()) if name.startswith("model.layers.") and len(t.shape) == 2 else t
+        name: Fp8Weight.quantize(t.float32()) if is_layer_matrix(name, t) else t
         for name, t in model.weights.items()})
     requests = [(list(range(1, 20)), dict(GREEDY, max_tokens=3))]
     fp8, bf16 = engine_steps(quantized, requests, cuda_graphs=False), engine_steps(model, requests, cuda_graphs=False)
@@ -141,7 +141,7 @@ def test_fp8_of_a_block_size_the_kernels_do_not_read_runs_as_bfloat16(model):
     from devtools.quantized import fp8_fast
 
     quantized = dataclasses.replace(model, weights={
-        name: fp8_fast(t.float32(), (64, 64)) if name.startswith("model.layers.") and len(t.shape) == 2 else t
+        name: fp8_fast(t.float32(), (64, 64)) if is_layer_matrix(name, t) else t
         for name, t in model.weights.items()})
     request = [(list(range(1, 20)), dict(GREEDY, max_tokens=3))]
     fp8, bf16 = engine_steps(quantized, request, cuda_graphs=False), engine_steps(model, request, cuda_graphs=False)
