@@ -20,10 +20,11 @@
 // same columns: a chunk is the 4 C columns of a row that a quad of lanes loads at once.
 //
 // The block's slice of x's rows is staged in shared memory by cp.async at the start, in
-// one wait, while the first weights are on their way; each lane keeps the loads of its
-// rows' next SKINNY_CHUNKS chunks in flight. (Read through L1 instead, x's fragments put
-// an L2 round trip in every chunk's chain, and staged a piece at a time, in every
-// piece's: 1.1 to 1.4 TB/s, bench/HISTORY.md.)
+// one wait, while the first weights are on their way (read through L1, x's fragments
+// put an L2 round trip in every chunk's chain); each lane keeps the loads of its rows'
+// next SKINNY_CHUNKS chunks in flight. It reads the weights at 1.1 to 1.5 TB/s: ahead
+// of dequantizing FP8 for cuBLAS up to 32 rows, behind cuBLAS on bfloat16 (4 KB in
+// flight a warp, 4 warps a block, is too little an SM; bench/HISTORY.md).
 //
 // The SPLIT blocks of a group of rows are one thread-block cluster: each leaves its
 // partial sums in shared memory, and block r sums rows r, r + SPLIT, ... of the group
