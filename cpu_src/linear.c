@@ -211,6 +211,7 @@ static inline __attribute__((always_inline)) void u4_row(const int rows, float *
         prefetch(wq + b * BLOCK / 2 + AHEAD, BLOCK * GROUP / 2);
         unpack_u4(w, wq + b * BLOCK / 2);
         const __m256 d = scales8_at(sc->d, row + b, sc->half), m = m8_at(sc, row + b, d);
+        #pragma GCC unroll 8  // (each row's accumulator a register of its own)
         for (int r = 0; r < rows; r++)
             group_dot(&acc[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
                       xs + (size_t)r * nb + b);
@@ -246,6 +247,7 @@ static inline __attribute__((always_inline)) void u8_row(const int rows, float *
         prefetch(wq + b * BLOCK + AHEAD, BLOCK * GROUP);
         unpack_u8(w, wq + b * BLOCK);
         const __m256 d = scales8_at(sc->d, row + b, sc->half), m = m8_at(sc, row + b, d);
+        #pragma GCC unroll 8  // (each row's accumulator a register of its own)
         for (int r = 0; r < rows; r++)
             group_dot(&acc[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
                       xs + (size_t)r * nb + b);
@@ -253,6 +255,7 @@ static inline __attribute__((always_inline)) void u8_row(const int rows, float *
     for (int b = grouped; b < pb; b++) {
         __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK)));
         __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK + 16)));
+        #pragma GCC unroll 8  // (each row's accumulator a register of its own)
         for (int r = 0; r < rows; r++)
             acc[r] = block_dot(acc[r], w0, w1, xq + (size_t)r * kp + b * BLOCK, d_at(sc, row + b) * sx[(size_t)r * nb + b]);
     }
