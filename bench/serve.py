@@ -115,6 +115,9 @@ async def openai_sender(url: str, model: str):
                     if response.status_code != 200:
                         timing.result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                     async for message in server_sent_events(response):
+                        if "error" in message:  # (the stream's replica failed)
+                            timing.result.error = f"stream error: {json.dumps(message['error'])[:200]}"
+                            break
                         if any(c.get("text") for c in message["choices"]):
                             timing.tokens(0)
                         if message.get("usage"):

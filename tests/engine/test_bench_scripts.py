@@ -72,3 +72,24 @@ def test_profile_server_profiles_both_threads_under_load():
     engine, loop = out.split("=== engine thread ===")[1].split("=== RPC loop thread ===")
     assert "numpy_backend.py" in engine and "servicer.py" not in engine  # each thread's own work
     assert "servicer.py" in loop and "numpy_backend.py" not in loop
+
+
+def test_replicas_benchmark_scales_out_and_survives_a_killed_replica(tmp_path):
+    """bench/replicas.py with a fake list of two GPUs (the replicas on the CPU): one
+    replica and two behind the gateway, every request served on both paths; then one of
+    two killed mid-load, the others served, and it is back and answering."""
+    out = tmp_path / "replicas.json"
+    printed = subprocess.run(
+        [sys.executable, "bench/replicas.py", "--gpus", "0,1", "--device", "cpu", "--num-prompts", "24",
+         "--input-len", "8:32", "--output-len", "16:32", "--max-concurrency", "4", "--kill-after", "1",
+         "--result-json", str(out)],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=600,
+    ).stdout
+    result = json.loads(out.read_text())
+    for replicas in ("1", "2"):
+        for path in ("gateway", "gRPC"):
+            assert result[replicas][path]["completed"] == 24 and result[replicas][path]["failed"] == 0
+    killed = result["kill"]
+    assert killed["completed"] + killed["failed"] == 24 and killed["completed"] >= 12
+    assert killed["restarted_answer"]["output_tokens"] == 8 and not killed["restarted_answer"]["error"]
+    assert "gateway: 2 replicas" in printed and "gRPC: 2 replicas" in printed
