@@ -78,3 +78,17 @@ def test_gemv_split(d_in, split):
     """gemv_split's rule, as gemv.cu states it: slices of at least GEMV_SLICE columns,
     at most one warp each."""
     assert ck.gemv_split(d_in) == split
+
+
+@pytest.mark.parametrize("rows, d_in, d_out, format, split", [
+    (16, 2048, 2048, "bf16", 8), (16, 8192, 2048, "fp8", 8), (16, 2048, 3072, "fp8", 8), (16, 2048, 16384, "fp8", 2),
+    (64, 8192, 2048, "bf16", 8),  # (a slice of 4,096 columns of 64 rows would not fit a block's shared memory)
+    (8, 576, 960, "fp8", 1),  # (SmolLM2: 576 columns are 9 FP8 chunks, one slice)
+    (8, 100, 64, "bf16", None),  # (no whole chunk)
+])
+def test_skinny_split(rows, d_in, d_out, format, split):
+    """skinny_split's rule at the H200's 132 SMs: the fewest slices that give every SM two
+    blocks, of those whose slice of x fits a block's shared memory."""
+    assert ck.skinny_split(rows, d_in, d_out, format, sm_count=132) == split
+    if split:
+        assert ck.skinny_shared_bytes(rows, d_in // split, format) <= ck.SKINNY_MAX_SHARED
