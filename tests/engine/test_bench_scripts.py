@@ -93,3 +93,14 @@ def test_replicas_benchmark_scales_out_and_survives_a_killed_replica(tmp_path):
     assert killed["completed"] + killed["failed"] == 24 and killed["completed"] >= 12
     assert killed["restarted_answer"]["output_tokens"] == 8 and not killed["restarted_answer"]["error"]
     assert "gateway: 2 replicas" in printed and "gRPC: 2 replicas" in printed
+
+
+def test_host_step_splits_a_steps_host_time_into_its_phases():
+    out = subprocess.run([sys.executable, "bench/host_step.py", "--batch", "1,8", "--steps", "20"],
+                         cwd=ROOT, check=True, capture_output=True, text=True, timeout=300).stdout
+    rows = {int(line.split("|")[0]): [float(c) for c in line.split("|")[1:]] for line in out.splitlines()
+            if "|" in line and line.split("|")[0].strip().isdigit()}
+    assert set(rows) == {1, 8}
+    for host_ms, *phases in rows.values():
+        assert host_ms > 0 and all(p > 0 for p in phases)
+        assert sum(phases) < 1.2 * host_ms  # (shares of the step: they never add up to more)

@@ -8,25 +8,15 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-import numpy as np
 import pytest
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
-from engine.weights import Tensor, is_layer_matrix
-from tests.kernels.recording_pycuda import recording_pycuda
+from engine.weights import is_layer_matrix
+from devtools.recording_pycuda import cuda_shaped, recording_pycuda
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def cuda_shaped(model: LoadedModel) -> LoadedModel:
-    """The tiny model with the head size the CUDA kernels take (64), random weights."""
-    c = dataclasses.replace(model.config, head_dim=64, num_heads=4, num_kv_heads=2)
-    shapes = model.architecture.tensor_shapes(c)
-    rng = np.random.default_rng(0)
-    weights = {name: Tensor.of(rng.standard_normal(shape).astype(np.float32) * 0.1) for name, shape in shapes.items()}
-    return LoadedModel(model.name, c, weights, model.tokenizer)
 
 
 @pytest.fixture(params=["tiny_model", "tiny_qwen3"])

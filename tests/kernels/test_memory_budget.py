@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from tests.kernels.recording_pycuda import recording_pycuda
+from devtools.recording_pycuda import recording_pycuda
 
 GB = 2**30
 

@@ -6,11 +6,15 @@ as they are, and sampled tokens read back as zeros.
 
     with recording_pycuda() as launches:
         from engine.backends.cuda.backend import CudaBackend  # (imported inside)
+
+tests/kernels/test_launches.py checks the launches; bench/host_step.py times the host's
+side of a step with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import sys
 import types
@@ -18,6 +22,9 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
+
+from engine.model_loader import LoadedModel
+from engine.weights import Tensor
 
 TYPE_CODES = {"P": np.uintp, "i": np.int32, "f": np.float32}
 BACKEND_MODULES = ("pycuda", "pycuda.", "engine.backends.cuda")  # (prefixes) loaded afresh against the stand-in
@@ -211,3 +218,12 @@ def recording_pycuda() -> Iterator[list[Launch]]:
     finally:
         _forget_backend_modules()
         sys.modules.update(saved)
+
+
+def cuda_shaped(model: LoadedModel) -> LoadedModel:
+    """A small test model with the head size the CUDA kernels take (64), random weights."""
+    c = dataclasses.replace(model.config, head_dim=64, num_heads=4, num_kv_heads=2)
+    shapes = model.architecture.tensor_shapes(c)
+    rng = np.random.default_rng(0)
+    weights = {name: Tensor.of(rng.standard_normal(shape).astype(np.float32) * 0.1) for name, shape in shapes.items()}
+    return LoadedModel(model.name, c, weights, model.tokenizer)
