@@ -105,6 +105,8 @@ class OutputStream:
     def emit(self) -> RequestOutput:
         """The delta of the tokens recorded since the last call."""
         seq, params = self.seq, self.seq.params
+        if len(self.unsent) == 1 and self.finish_reason is None and not params.stop:
+            return self._emit_one()
         out = RequestOutput(seq.request_id)
         first = self.recorded - len(self.unsent)  # index of the first unsent token
         for i, sample in enumerate(self.unsent):
@@ -131,6 +133,17 @@ class OutputStream:
             end -= _partial_stop_suffix(self.text, params.stop)
         out.text = self.text[self.sent : end]
         self.sent = max(self.sent, end)
+        return out
+
+    def _emit_one(self) -> RequestOutput:
+        """emit() of a decode step's one token, where nothing can end the text (no stop
+        strings, not the last token): its delta without the general path's bookkeeping,
+        which a host-bound step of hundreds of sequences pays for each."""
+        sample = self.unsent.pop()
+        self.text += self.detokenizer.add(sample.token_id)
+        out = RequestOutput(self.seq.request_id, self.text[self.sent :], [sample.token_id],
+                            [sample.logprob] if sample.logprob is not None else [])
+        self.sent = len(self.text)
         return out
 
     def _match_stop_string(self, out: RequestOutput, searched_from: int) -> bool:
