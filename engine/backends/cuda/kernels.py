@@ -105,6 +105,7 @@ def gemv_rows_per_block(d_in: int, format: str = "bf16") -> int:
     return GEMV_WARPS // gemv_split(d_in, format)
 
 
+@functools.cache  # (asked at every launch: a step's host time)
 def skinny_shared_bytes(rows: int, width: int, format: str) -> int:
     """skinny_gemm.cu's dynamic shared memory: x's rows (16 a tile) over a slice `width`
     columns wide (x_stride there), and at least the partial sums' rows."""
@@ -121,6 +122,7 @@ def skinny_splits(rows: int, d_in: int, format: str = "bf16") -> list[int]:
             and skinny_shared_bytes(rows, d_in // n, format) <= SKINNY_MAX_SHARED]
 
 
+@functools.cache
 def skinny_split(rows: int, d_in: int, d_out: int, format: str, sm_count: int) -> int | None:
     """Slices of a skinny_gemm.cu product: the fewest that give every SM two blocks,
     else the most there are (None: none). (For the 1B shape's matrices at up to 32 rows,
