@@ -81,16 +81,59 @@ static void rope_heads(float *x, int ldx, int rows, int heads, int d, const floa
         }
 }
 
+// The values of the e4m3 codes 0x00..0x7E (the non-negative finite ones), ascending.
+static float e4m3_values[0x7F];
+
+__attribute__((constructor)) static void fill_e4m3_values(void) {
+    for (int code = 0; code < 0x7F; code++) {
+        const int e = code >> 3, m = code & 7;
+        e4m3_values[code] = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf((float)m, -9);
+    }
+}
+
+// The e4m3 code nearest to x, saturating at +-448, a tie to the smaller magnitude (as
+// the numpy backend's f32_to_e4m3 rounds; its test holds them equal)
+static uint8_t e4m3_of(float x) {
+    const float a = fminf(fabsf(x), 448.0f);
+    int lo = 0, hi = 0x7E;  // the last value <= a is in lo..hi
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (e4m3_values[mid] <= a) lo = mid;
+        else hi = mid - 1;
+    }
+    if (lo < 0x7E && e4m3_values[lo + 1] - a < a - e4m3_values[lo]) lo++;
+    return (uint8_t)(lo | (x < 0 ? 0x80 : 0));
+}
+
+// 8 e4m3 codes as float32: each code's bits moved into a float's (sign; exponent and
+// mantissa 20 places up, into the top of the float's), times 2^120 for the exponents'
+// biases (7 against 127). Subnormal codes come out as subnormal floats and scale exactly.
+static inline __m256 e4m3x8(const uint8_t *p) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+    const __m256i rest = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7F)), 20);
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, rest)), _mm256_set1_ps(0x1p120f));
+}
+
 // rope_and_cache: rotate the query and key heads of qkv [rows, (heads + 2 kv_heads) d]
-// in place, then copy each row's K and V to its cache slot ([slots, kv_heads, d] caches).
+// in place, then copy each row's K and V to its cache slot ([slots, kv_heads, d] caches
+// of float32, or of e4m3 codes where fp8).
 void rope_and_cache(float *qkv, int rows, int heads, int kv_heads, int d, const float *cos, const float *sin,
-                    const int64_t *slots, float *k_cache, float *v_cache) {
+                    const int64_t *slots, void *k_cache, void *v_cache, int fp8) {
     const int ld = (heads + 2 * kv_heads) * d, kv = kv_heads * d;
     rope_heads(qkv, ld, rows, heads + kv_heads, d, cos, sin);
     for (int r = 0; r < rows; r++) {
         const float *k = qkv + (size_t)r * ld + heads * d;
-        memcpy(k_cache + slots[r] * kv, k, kv * sizeof(float));
-        memcpy(v_cache + slots[r] * kv, k + kv, kv * sizeof(float));
+        if (fp8) {
+            uint8_t *kc = (uint8_t *)k_cache + slots[r] * kv, *vc = (uint8_t *)v_cache + slots[r] * kv;
+            for (int i = 0; i < kv; i++) {
+                kc[i] = e4m3_of(k[i]);
+                vc[i] = e4m3_of(k[kv + i]);
+            }
+        } else {
+            memcpy((float *)k_cache + slots[r] * kv, k, kv * sizeof(float));
+            memcpy((float *)v_cache + slots[r] * kv, k + kv, kv * sizeof(float));
+        }
     }
 }
 
@@ -121,8 +164,9 @@ static float softmax_numerators(float *scores, int n, float top) {
 
 struct attention_args {
     float *out;
-    const float *qkv, *k_cache, *v_cache;
-    int heads, kv_heads, d;
+    const float *qkv;
+    const void *k_cache, *v_cache;  // float32, or e4m3 codes (fp8)
+    int heads, kv_heads, d, fp8;
     const int *q_row, *n, *start;
     const int64_t *slots, *slot_at;
     float scale;
@@ -135,8 +179,15 @@ static _Thread_local size_t capacity;
 #define QUERY_TILE 8  // query rows (of a sequence and a kv head) that share each pass over its keys and values
 #define AHEAD 8       // positions whose key and value are fetched while the scores of an earlier one are computed
 
-static inline void prefetch(const float *p, int floats) {
-    for (int i = 0; i < floats; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
+// 8 cached values (of K or V) from element `at` of a layer's cache.
+static inline __attribute__((always_inline)) __m256 cached8(const void *cache, size_t at, const int fp8) {
+    return fp8 ? e4m3x8((const uint8_t *)cache + at) : _mm256_loadu_ps((const float *)cache + at);
+}
+
+// The cache lines of n cached values from element `at`.
+static inline __attribute__((always_inline)) void prefetch(const void *cache, size_t at, int n, const int fp8) {
+    const char *p = (const char *)cache + at * (fp8 ? 1 : sizeof(float));
+    for (int i = 0; i < n * (fp8 ? 1 : (int)sizeof(float)); i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
 // Query rows i0..i0+tn-1 of kv head g of sequence s (tn a constant, so that the tile's
@@ -144,12 +195,12 @@ static inline void prefetch(const float *p, int floats) {
 // group: the query heads that read the same keys and values, and the sequence's tokens,
 // go together, so that each key and value is read once for the tile. The scores of the
 // tile's rows are kept meanwhile (those past a row's own position zeroed).
-static inline __attribute__((always_inline)) void query_tile(const int tn, const struct attention_args *a, int s,
-                                                             int g, int i0, size_t stride) {
+static inline __attribute__((always_inline)) void query_tile(const int tn, const int fp8, const struct attention_args *a,
+                                                             int s, int g, int i0, size_t stride) {
     const int d = a->d, ld = (a->heads + 2 * a->kv_heads) * a->d, kv = a->kv_heads * d;
     const int group = a->heads / a->kv_heads, start = a->start[s], last = start + (i0 + tn - 1) / group + 1;
     const int64_t *sl = a->slots + a->slot_at[s];
-    const float *keys = a->k_cache + g * d, *values = a->v_cache + g * d;
+    const size_t head = (size_t)g * d;  // the kv head's first element in a cache row
     const float *q[QUERY_TILE];
     float *out[QUERY_TILE];
     int visible[QUERY_TILE];  // causal: positions 0..the row's own
@@ -162,23 +213,23 @@ static inline __attribute__((always_inline)) void query_tile(const int tn, const
     // (each sum in two chains of adds, and each output below in two, halving the
     // latency a tile of few rows, a decode step's, waits on)
     for (int j = 0; j < last; j++) {
-        const float *k = keys + sl[j] * kv;
+        const size_t k = sl[j] * kv + head;
         if (j + AHEAD < last) {  // (the rows are where the block table puts them: no prefetcher sees them coming)
-            prefetch(keys + sl[j + AHEAD] * kv, d);
-            prefetch(values + sl[j + AHEAD] * kv, d);
+            prefetch(a->k_cache, sl[j + AHEAD] * kv + head, d, fp8);
+            prefetch(a->v_cache, sl[j + AHEAD] * kv + head, d, fp8);
         }
         __m256 acc[QUERY_TILE], acc2[QUERY_TILE];
         for (int r = 0; r < tn; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
         int i = 0;
         for (; i + 16 <= d; i += 16) {
-            const __m256 ki = _mm256_loadu_ps(k + i), ki2 = _mm256_loadu_ps(k + i + 8);
+            const __m256 ki = cached8(a->k_cache, k + i, fp8), ki2 = cached8(a->k_cache, k + i + 8, fp8);
             for (int r = 0; r < tn; r++) {
                 acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), ki, acc[r]);
                 acc2[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i + 8), ki2, acc2[r]);
             }
         }
         if (i < d) {
-            const __m256 ki = _mm256_loadu_ps(k + i);
+            const __m256 ki = cached8(a->k_cache, k + i, fp8);
             for (int r = 0; r < tn; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), ki, acc[r]);
         }
         for (int r = 0; r < tn; r++) scores[r * stride + j] = hsum(_mm256_add_ps(acc[r], acc2[r])) * a->scale;
@@ -194,14 +245,15 @@ static inline __attribute__((always_inline)) void query_tile(const int tn, const
         for (int r = 0; r < tn; r++) o[r] = o2[r] = _mm256_setzero_ps();
         int v = 0;
         for (; v + 2 <= last; v += 2) {
-            const __m256 vi = _mm256_loadu_ps(values + sl[v] * kv + i), vi2 = _mm256_loadu_ps(values + sl[v + 1] * kv + i);
+            const __m256 vi = cached8(a->v_cache, sl[v] * kv + head + i, fp8);
+            const __m256 vi2 = cached8(a->v_cache, sl[v + 1] * kv + head + i, fp8);
             for (int r = 0; r < tn; r++) {
                 o[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * stride + v]), vi, o[r]);
                 o2[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * stride + v + 1]), vi2, o2[r]);
             }
         }
         if (v < last) {
-            const __m256 vi = _mm256_loadu_ps(values + sl[v] * kv + i);
+            const __m256 vi = cached8(a->v_cache, sl[v] * kv + head + i, fp8);
             for (int r = 0; r < tn; r++) o[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * stride + v]), vi, o[r]);
         }
         for (int r = 0; r < tn; r++)
@@ -211,6 +263,8 @@ static inline __attribute__((always_inline)) void query_tile(const int tn, const
 
 // Tasks [begin, end) of attention: task t is sequence t / kv_heads's kv head t %
 // kv_heads, its query rows (tokens times the kv head's query heads) by tiles of QUERY_TILE.
+// (a tile of tn rows, its cache's format a constant of each copy)
+#define TILE(tn) (a->fp8 ? query_tile(tn, 1, a, s, g, i0, stride) : query_tile(tn, 0, a, s, g, i0, stride))
 static void attention_tasks(void *ctx, int begin, int end) {
     const struct attention_args *a = ctx;
     for (int task = begin; task < end; task++) {
@@ -223,14 +277,14 @@ static void attention_tasks(void *ctx, int begin, int end) {
         }
         for (int i0 = 0; i0 < rows; i0 += QUERY_TILE) {
             switch (rows - i0 < QUERY_TILE ? rows - i0 : QUERY_TILE) {
-                case 1: query_tile(1, a, s, g, i0, stride); break;
-                case 2: query_tile(2, a, s, g, i0, stride); break;
-                case 3: query_tile(3, a, s, g, i0, stride); break;
-                case 4: query_tile(4, a, s, g, i0, stride); break;
-                case 5: query_tile(5, a, s, g, i0, stride); break;
-                case 6: query_tile(6, a, s, g, i0, stride); break;
-                case 7: query_tile(7, a, s, g, i0, stride); break;
-                default: query_tile(QUERY_TILE, a, s, g, i0, stride); break;
+                case 1: TILE(1); break;
+                case 2: TILE(2); break;
+                case 3: TILE(3); break;
+                case 4: TILE(4); break;
+                case 5: TILE(5); break;
+                case 6: TILE(6); break;
+                case 7: TILE(7); break;
+                default: TILE(QUERY_TILE); break;
             }
         }
     }
@@ -238,13 +292,15 @@ static void attention_tasks(void *ctx, int begin, int end) {
 
 // paged_attention of every sequence of a step. Sequence s has n[s] query rows from row
 // q_row[s] of qkv (its positions start[s]..), and the cache slots of its positions
-// 0..start[s]+n[s]-1 at slots + slot_at[s]. out [rows, heads * d]. The work is shared
-// out by (sequence, kv head): each task reads its keys and values once for all the
-// queries that attend to them.
+// 0..start[s]+n[s]-1 at slots + slot_at[s]. out [rows, heads * d]. The caches hold
+// float32, or e4m3 codes (fp8: widened as they are read). The work is shared out by
+// (sequence, kv head): each task reads its keys and values once for all the queries
+// that attend to them.
 void attention(float *out, const float *qkv, int heads, int kv_heads, int d, int num_seqs, const int *q_row,
-               const int *n, const int *start, const int64_t *slots, const int64_t *slot_at, const float *k_cache,
-               const float *v_cache, float scale) {
-    struct attention_args a = {out, qkv, k_cache, v_cache, heads, kv_heads, d, q_row, n, start, slots, slot_at, scale};
+               const int *n, const int *start, const int64_t *slots, const int64_t *slot_at, const void *k_cache,
+               const void *v_cache, float scale, int fp8) {
+    struct attention_args a = {out,   qkv, k_cache, v_cache, heads, kv_heads, d, fp8, q_row, n, start, slots, slot_at,
+                               scale};
     size_t work = 0;  // multiply-adds, as many again for the values
     for (int s = 0; s < num_seqs; s++) work += (size_t)n[s] * (start[s] + n[s]) * heads * d;
     const int tasks = num_seqs * kv_heads;

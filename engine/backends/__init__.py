@@ -54,32 +54,29 @@ def create_backend(device: str, config: ModelConfig, weights: ModelWeights, cuda
 
             log.info("device %s: using the CUDA backend", device)
             if kv_cache_dtype != "auto":
-                raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is served by the numpy backend only for now (the "
-                                 "CUDA attention kernels read bfloat16 K/V): leave it out, or use --device numpy")
+                raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is served by the CPU backends only for now (the "
+                                 "CUDA attention kernels read bfloat16 K/V): leave it out, or use --device cpu")
             return CudaBackend(config, weights, cuda_graphs=cuda_graphs, batch_invariant=batch_invariant)
         if device == "cuda":
             raise RuntimeError(f"--device cuda, but {reason}; use --device cpu or auto")
-        if kv_cache_dtype == "auto":
-            from engine.backends.cpu.kernels import CompilerMissing
+        from engine.backends.cpu.kernels import CompilerMissing
 
-            try:
-                return _cpu_backend(config, weights, threads, f"device auto: {reason}, so")
-            except CompilerMissing as e:
-                log.warning("device auto: using the numpy backend (%s; and %s)", reason, e)
+        try:
+            return _cpu_backend(config, weights, threads, kv_cache_dtype, f"device auto: {reason}, so")
+        except CompilerMissing as e:
+            log.warning("device auto: using the numpy backend (%s; and %s)", reason, e)
     if device == "cpu":
-        if kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is served by the numpy backend only for now: leave "
-                             "it out, or use --device numpy")
-        return _cpu_backend(config, weights, threads, "device cpu:")
+        return _cpu_backend(config, weights, threads, kv_cache_dtype, "device cpu:")
     from engine.backends.numpy_backend import NumpyBackend
 
     log.info("device %s: using the numpy backend (float32, the reference)", device)
     return NumpyBackend(config, weights, kv_cache_dtype)
 
 
-def _cpu_backend(config: ModelConfig, weights: ModelWeights, threads: int | None, why: str) -> Backend:
+def _cpu_backend(config: ModelConfig, weights: ModelWeights, threads: int | None, kv_cache_dtype: str,
+                 why: str) -> Backend:
     from engine.backends.cpu.backend import CpuBackend, available_cores
 
     threads = threads or available_cores()
     log.info("%s using the CPU backend on %d threads", why, threads)
-    return CpuBackend(config, weights, threads=threads)
+    return CpuBackend(config, weights, threads=threads, kv_cache_dtype=kv_cache_dtype)

@@ -21,7 +21,7 @@ from engine.backends import numpy_backend as ref
 from engine.backends.cpu.backend import CpuBackend
 from engine.backends.cpu.kernels import CpuKernels, addr
 from engine.backends.cpu.weights import repack
-from engine.quantization.fp8 import Fp8Weight, f32_to_e4m3
+from engine.quantization.fp8 import Fp8Weight, e4m3_to_f32, f32_to_e4m3
 from engine.quantization.gguf import GgufWeight
 from engine.quantization.int4 import Int4Weight
 from engine.sampling_params import SamplingParams
@@ -138,13 +138,17 @@ def test_layer_ops_match_the_numpy_reference(kernels):
     np.testing.assert_array_equal(y, expected)
 
 
-def test_rope_and_cache_and_paged_attention_match_the_numpy_reference(kernels):
+@pytest.mark.parametrize("fp8", [False, True], ids=["float32 cache", "e4m3 cache"])
+def test_rope_and_cache_and_paged_attention_match_the_numpy_reference(kernels, fp8):
     """Two sequences in one step: one decoding at position 9, one prefilling positions 4..8
-    after 4 cached tokens; grouped-query heads (8 over 2), cache slots scattered."""
+    after 4 cached tokens; grouped-query heads (8 over 2), cache slots scattered. With an
+    e4m3 cache (--kv-cache-dtype fp8) the cached codes are the numpy backend's rounding
+    exactly, and attention reads them as it does."""
+    stored, read = (f32_to_e4m3, e4m3_to_f32) if fp8 else (np.asarray, np.asarray)
     heads, kv_heads, dim = 8, 2, 16
     inv_freq = (1.0 / 10000 ** (np.arange(0, dim, 2) / dim)).astype(np.float32)
-    k_cache = rng.standard_normal((64, kv_heads, dim)).astype(np.float32)
-    v_cache = rng.standard_normal((64, kv_heads, dim)).astype(np.float32)
+    k_cache = stored(rng.standard_normal((64, kv_heads, dim)).astype(np.float32))
+    v_cache = stored(rng.standard_normal((64, kv_heads, dim)).astype(np.float32))
     seqs = [(9, 1, rng.permutation(64)[:10]), (4, 5, rng.permutation(64)[:9])]  # (start, tokens, slots of 0..end)
     seqs[1] = (4, 5, np.setdiff1d(rng.permutation(64), seqs[0][2])[:9])
     positions = np.concatenate([np.arange(s, s + n) for s, n, _ in seqs])
@@ -156,14 +160,14 @@ def test_rope_and_cache_and_paged_attention_match_the_numpy_reference(kernels):
     q = ref.apply_rope(qkv[:, : heads * dim].reshape(-1, heads, dim), cos, sin)
     k = ref.apply_rope(qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(-1, kv_heads, dim), cos, sin)
     k_ref, v_ref = k_cache.copy(), v_cache.copy()
-    k_ref[new_slots], v_ref[new_slots] = k, qkv[:, (heads + kv_heads) * dim :].reshape(-1, kv_heads, dim)
+    k_ref[new_slots], v_ref[new_slots] = stored(k), stored(qkv[:, (heads + kv_heads) * dim :].reshape(-1, kv_heads, dim))
     bounds = np.cumsum([0] + [n for _, n, _ in seqs])
-    expected = np.concatenate([ref.paged_attention(q[bounds[i] : bounds[i + 1]], k_ref, v_ref, slots, s, dim ** -0.5)
-                               for i, (s, _, slots) in enumerate(seqs)])
+    expected = np.concatenate([ref.paged_attention(q[bounds[i] : bounds[i + 1]], read(k_ref), read(v_ref), slots, s,
+                                                   dim ** -0.5) for i, (s, _, slots) in enumerate(seqs)])
 
     cos, sin = np.ascontiguousarray(cos), np.ascontiguousarray(sin)
     kernels.rope_and_cache(addr(qkv), len(positions), heads, kv_heads, dim, addr(cos), addr(sin), addr(new_slots),
-                           addr(k_cache), addr(v_cache))
+                           addr(k_cache), addr(v_cache), fp8)
     np.testing.assert_allclose(qkv[:, : heads * dim], q.reshape(len(q), -1), atol=1e-6)
     np.testing.assert_array_equal(k_cache, k_ref)
     np.testing.assert_array_equal(v_cache, v_ref)
@@ -173,15 +177,37 @@ def test_rope_and_cache_and_paged_attention_match_the_numpy_reference(kernels):
         (bounds[:-1], np.int32), ([n for _, n, _ in seqs], np.int32), ([s for s, _, _ in seqs], np.int32),
         (np.concatenate([slots for *_, slots in seqs]), np.int64), ([0, len(seqs[0][2])], np.int64))]
     kernels.attention(addr(out), addr(qkv), heads, kv_heads, dim, len(seqs), *(addr(a) for a in args), addr(k_cache),
-                      addr(v_cache), dim ** -0.5)
+                      addr(v_cache), dim ** -0.5, fp8)
     np.testing.assert_allclose(out, expected, atol=1e-5)
 
 
-def cpu_engine(model, **config):
+def test_the_e4m3_cache_rounds_as_the_numpy_backend(kernels):
+    """Values are stored unrotated (V): every e4m3 value, every midpoint between two
+    neighbours (a tie, to the smaller magnitude), both signs, past 448 and below the
+    smallest subnormal."""
+    values = e4m3_to_f32(np.arange(0x7F, dtype=np.uint8))
+    ties = (values[1:] + values[:-1]) / 2
+    near = np.concatenate([values[1:] * 0.999, values[1:] * 1.001, [449.0, 1e4, 1e-4, 2.0 ** -11]])
+    v = np.concatenate([values, ties, near]).astype(np.float32)
+    v = np.concatenate([v, -v])
+    dim = 16
+    v = np.concatenate([v, np.zeros(-len(v) % dim, np.float32)]).reshape(-1, dim)
+    rows = len(v)
+    qkv = np.concatenate([rng.standard_normal((rows, 2 * dim)).astype(np.float32), v], axis=1)  # (one head each)
+    cos, sin = np.ones((rows, dim // 2), np.float32), np.zeros((rows, dim // 2), np.float32)
+    slots = np.arange(rows, dtype=np.int64)
+    k_cache, v_cache = np.zeros((rows, 1, dim), np.uint8), np.zeros((rows, 1, dim), np.uint8)
+    kernels.rope_and_cache(addr(qkv), rows, 1, 1, dim, addr(cos), addr(sin), addr(slots), addr(k_cache), addr(v_cache),
+                           True)
+    np.testing.assert_array_equal(v_cache.reshape(rows, dim), f32_to_e4m3(v))
+
+
+def cpu_engine(model, kv_cache_dtype: str = "auto", **config):
     from engine.llm_engine import EngineConfig, LLMEngine
 
     config.setdefault("num_kv_blocks", 256)
-    return LLMEngine(model, CpuBackend(model.config, model.model_weights(), threads=2), EngineConfig(**config))
+    backend = CpuBackend(model.config, model.model_weights(), threads=2, kv_cache_dtype=kv_cache_dtype)
+    return LLMEngine(model, backend, EngineConfig(**config))
 
 
 def test_smollm2_from_its_gguf_gives_the_numpy_backends_greedy_tokens(smollm2):
@@ -208,6 +234,35 @@ def test_smollm2_answers_paris(smollm2):
     engine = cpu_engine(smollm2)
     ids = smollm2.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])[0]
     outputs = run(engine, [engine.make_sequence("q", ids, SamplingParams(temperature=0.0, max_tokens=12))])
+    assert "Paris" in text(outputs["q"])
+
+
+def test_smollm2_with_an_fp8_kv_cache_moves_no_more_than_the_numpy_backends_and_answers_paris(smollm2):
+    """--kv-cache-dtype fp8 on the CPU backend. The two backends compute K and V a little
+    differently (the CPU backend's int16 activations), so codes near a rounding boundary
+    go either way, and the fp8 logits of the two differ about as much as fp8 moves
+    either (max 1.8 and 1.7 here): the test holds what fp8 does to the CPU backend's
+    logits to what it does to the numpy backend's (relative L2 4.9e-2 against 7.6e-2
+    measured), and the first token to the numpy backend's."""
+    from devtools.probes import our_logits
+    from engine.llm_engine import EngineConfig, LLMEngine
+
+    ids = smollm2.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])[0]
+    logits = {}
+    for dtype in ("auto", "fp8"):
+        cpu = cpu_engine(smollm2, kv_cache_dtype=dtype)
+        numpy = LLMEngine(smollm2, create_backend("numpy", smollm2.config, smollm2.model_weights(), kv_cache_dtype=dtype),
+                          EngineConfig(num_kv_blocks=256))
+        logits["cpu", dtype], logits["numpy", dtype] = our_logits(cpu, ids), our_logits(numpy, ids)
+    assert cpu.info.kv_cache_dtype == "fp8_e4m3"
+
+    def moved(backend: str) -> float:
+        fp8, exact = logits[backend, "fp8"], logits[backend, "auto"]
+        return np.linalg.norm(fp8 - exact) / np.linalg.norm(exact)
+
+    assert moved("cpu") < 1.25 * moved("numpy")
+    assert np.argmax(logits["cpu", "fp8"]) == np.argmax(logits["numpy", "fp8"])
+    outputs = run(cpu, [cpu.make_sequence("q", ids, SamplingParams(temperature=0.0, max_tokens=12))])
     assert "Paris" in text(outputs["q"])
 
 

@@ -205,8 +205,8 @@ def test_too_many_stop_strings_limit_is_documented():
 
 
 def test_an_fp8_kv_cache_holds_four_times_the_tokens_and_says_so():
-    servers = {dtype: local_server(device="numpy", num_kv_blocks=None, kv_cache_memory_gb=0.01, kv_cache_dtype=dtype)
-               for dtype in ("auto", "fp8")}  # (the numpy backend's, for now)
+    servers = {dtype: local_server(device="cpu", num_kv_blocks=None, kv_cache_memory_gb=0.01, kv_cache_dtype=dtype)
+               for dtype in ("auto", "fp8")}  # (the CPU backends', for now)
     try:
         blocks = {dtype: server.engine.info.num_kv_blocks for dtype, server in servers.items()}
         assert 4 * blocks["auto"] <= blocks["fp8"] < 4 * (blocks["auto"] + 1)  # (each rounded down)

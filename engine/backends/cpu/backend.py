@@ -3,7 +3,8 @@ bookkeeping) with each op of a layer run by a compiled kernel of cpu_src/, and t
 weights kept in their stored format (weights.py) rather than widened to float32.
 
 A step runs on `threads` cores, the calling thread among them. The paged KV cache is
-float32 as on the numpy backend, so attention is computed as exactly as there. Ops
+as on the numpy backend (float32, or e4m3 codes with --kv-cache-dtype fp8), so
+attention is computed as exactly as there. Ops
 pass Buffers (float32 arrays with their addresses), a step's own, reused by each layer
 and by the next step of as many tokens: a layer's ops then cost a C call each.
 """
@@ -133,7 +134,7 @@ class _CpuStepOps(_StepOps):
     def rope_and_cache(self, qkv: Buffer) -> Buffer:
         c = self.config
         self.kernels.rope_and_cache(qkv.ptr, self.tokens, c.num_heads, c.num_kv_heads, c.head_dim, self.cos_ptr,
-                                    self.sin_ptr, self.new_slots_ptr, self.k_cache, self.v_cache)
+                                    self.sin_ptr, self.new_slots_ptr, self.k_cache, self.v_cache, self.backend.fp8_kv)
         return qkv
 
     def attention(self, qkv: Buffer) -> Buffer:
@@ -141,7 +142,7 @@ class _CpuStepOps(_StepOps):
         out = self.scratch.buffer("attention", c.q_size)
         self.kernels.attention(out.ptr, qkv.ptr, c.num_heads, c.num_kv_heads, c.head_dim, len(self.batch), self.q_rows,
                                self.num_tokens, self.starts, self.slots, self.slot_at, self.k_cache, self.v_cache,
-                               c.head_dim ** -0.5)
+                               c.head_dim ** -0.5, self.backend.fp8_kv)
         return out
 
     def silu_and_mul(self, gate_up: Buffer) -> Buffer:
@@ -158,14 +159,15 @@ class _CpuStepOps(_StepOps):
 class CpuBackend(NumpyBackend):
     name = "cpu"
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, threads: int | None = None):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, threads: int | None = None,
+                 kv_cache_dtype: str = "auto"):
         if config.hidden_size % 8 or config.head_dim % 8:
             raise ValueError(f"the CPU kernels need the hidden size and head dimension to be multiples of 8 (this "
                              f"model's are {config.hidden_size} and {config.head_dim}): use --device numpy")
         self.kernels = CpuKernels(threads or available_cores())
         self.kv_pointers: list[tuple[int, int]] = []
         self._scratch: _Scratch | None = None
-        super().__init__(config, weights)
+        super().__init__(config, weights, kv_cache_dtype)
 
     def _hold_weights(self, weights: ModelWeights) -> None:
         self.embed = row_readable(weights.embed)  # (rows dequantized as a step reads them)
