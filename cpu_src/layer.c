@@ -191,7 +191,8 @@ static inline __attribute__((always_inline)) void prefetch(const void *cache, si
 }
 
 // Query rows i0..i0+tn-1 of kv head g of sequence s (tn a constant, so that the tile's
-// sums stay in registers), row i being token i / group's query head g * group + i %
+// sums stay in registers; fp8 too, the cache's format, so that each copy reads one),
+// row i being token i / group's query head g * group + i %
 // group: the query heads that read the same keys and values, and the sequence's tokens,
 // go together, so that each key and value is read once for the tile. The scores of the
 // tile's rows are kept meanwhile (those past a row's own position zeroed).
