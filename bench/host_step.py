@@ -32,8 +32,8 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 TINY_MODEL = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny-llama"
 PHASES = {  # a phase: the function (file, name) whose cumulative time it is
     "schedule": ("scheduler.py", "schedule"),
-    "forward": ("backend.py", "launch_forward"),
-    "sampling": ("backend.py", "sample"),
+    "forward": ("cuda/backend.py", "launch_forward"),
+    "sampling": ("cuda/backend.py", "sample"),
     "end step": ("llm_engine.py", "end_step"),
     "emit": ("llm_engine.py", "emit"),
 }

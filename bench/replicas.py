@@ -22,7 +22,6 @@ import contextlib
 import itertools
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -37,9 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.serve import as_text, flush_prefix_cache, grpc_sender, openai_sender, run_load  # noqa: E402
 from devtools.servers import free_port, free_ports  # noqa: E402
-from server.gateway import model_directory, wait_serving  # noqa: E402
-
-STARTED = re.compile(r"replica (\d+) started on port (\d+), GPU (\d+)(?:, cores [\d,]+)? \(pid (\d+)\)")
+from server.gateway import REPLICA_STARTED, model_directory, wait_serving  # noqa: E402
 
 
 class Launcher:
@@ -62,7 +59,7 @@ class Launcher:
 
     def started(self) -> list[tuple[int, int]]:
         """(replica, pid) of each start, in order."""
-        return [(int(i), int(pid)) for i, _, _, pid in STARTED.findall(self.logged())]
+        return [(int(i), int(pid)) for i, _, _, pid in REPLICA_STARTED.findall(self.logged())]
 
     def wait_ready(self, timeout: float = 900) -> None:
         """Until every replica serves and the gateway answers /v1/models."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 log = logging.getLogger("llamastream.gateway")
 START_TIMEOUT_S = 600  # a replica loading its model
 POLL_S = 0.5
+
+
+# The log line of a replica's start, as Replica.start writes it: (index, port, GPU or
+# None, pid). Benchmarks and tests that kill replicas find their processes by it.
+REPLICA_STARTED = re.compile(r"replica (\d+) started on port (\d+)(?:, GPU (\d+))?(?:, cores [\d,]+)? \(pid (\d+)\)")
 
 
 @dataclass

@@ -9,7 +9,6 @@ import contextlib
 import functools
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import pytest
 
 from devtools.servers import GatewayProcess, ServerProcess, free_port, free_ports, wait_serving
 from engine.model_loader import convert_gguf, embedded_model_path
-from server.gateway import replica_cores
+from server.gateway import REPLICA_STARTED, replica_cores
 from tests.deploy.test_manifests import container, named
 from tests.server.test_observability import scrape
 
@@ -291,8 +290,7 @@ def test_llamastream_gateway_serves_a_replica_per_gpu_and_restarts_a_dead_one(mo
         return log.read()
 
     def started() -> list[tuple[int, int, int]]:
-        return [(int(i), int(gpu), int(pid)) for i, gpu, pid in
-                re.findall(r"replica (\d+) started on port \d+, GPU (\d+)(?:, cores [\d,]+)? \(pid (\d+)\)", logged())]
+        return [(int(i), int(gpu), int(pid)) for i, _, gpu, pid in REPLICA_STARTED.findall(logged())]
 
     def check_replica(i: int, pid: int) -> None:
         environ = dict(v.split("=", 1) for v in open(f"/proc/{pid}/environ").read().split("\0") if "=" in v)
