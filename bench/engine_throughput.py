@@ -3,7 +3,12 @@ prompt and output lengths uniform in 100..1024 random tokens, eos ignored, all
 submitted at once; Llama 3.2 1B shape, bfloat16 (or FP8 layers with --format), random weights.
 
     python bench/engine_throughput.py [--model llama-3.2-1b|qwen3-0.6b] [--requests 256] [--batch-invariant]
-                                      [--format bf16|fp8|fp8-head] [--no-transformers]   # NVIDIA GPU, torch
+                                      [--format bf16|fp8|fp8-head] [--kv-cache-dtype auto|fp8] [--kv-cache-gb G]
+                                      [--no-transformers]   # NVIDIA GPU, torch
+
+By default the KV cache holds every request at once; `--kv-cache-gb` gives it that much
+memory instead, so that the requests it does not hold wait (or are preempted), and
+`--kv-cache-dtype fp8` then holds twice the tokens in it.
 
 Beside it, in the same run, transformers' `generate` on the same requests as one
 static batch: prompts left-padded, every row decoding to the longest output, and
@@ -30,6 +35,7 @@ import pycuda.driver as cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.backends.base import KV_CACHE_DTYPES  # noqa: E402
 from engine.backends.cuda.backend import CudaBackend  # noqa: E402
 from engine.backends.cuda.linear import LinearWeight  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
@@ -59,6 +65,8 @@ def main() -> None:
     ap.add_argument("--batch-invariant", action="store_true", help="GEMMs in fixed row tiles, as the server's flag")
     ap.add_argument("--format", choices=sorted(FORMATS), default="bf16",
                     help="the layers' weights: bfloat16, FP8 (per-row scales), or FP8 with the head too")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="bfloat16 (auto) or FP8 e4m3 K/V")
+    ap.add_argument("--kv-cache-gb", type=float, help="memory for the KV cache (default: room for every request)")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the transformers run")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -67,8 +75,11 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     make_model(Path(tmp.name), SHAPES[args.model], seed=0)
     model = FORMATS[args.format](load_model(tmp.name))
-    backend = CudaBackend(model.config, model.model_weights(), batch_invariant=args.batch_invariant)
+    backend = CudaBackend(model.config, model.model_weights(), batch_invariant=args.batch_invariant,
+                          kv_cache_dtype=args.kv_cache_dtype)
     blocks = int((prompt_lens + output_lens).sum() // 16 + 2 * args.requests)
+    if args.kv_cache_gb:
+        blocks = int(args.kv_cache_gb * 1e9 // backend.kv_cache_bytes_per_block(16))
     building = time.perf_counter()
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=blocks, max_num_seqs=args.requests,
                                                     max_num_batched_tokens=args.max_num_batched_tokens))
@@ -96,6 +107,7 @@ def main() -> None:
     # floor at batch B = all requests, mean context = mean prompt + half the mean output
     B, context = args.requests, prompt_lens.mean() + output_lens.mean() / 2
     weight_bytes, kv_bytes_per_token, flops_per_token = decode_costs(model.config)
+    kv_bytes_per_token //= 2 if args.kv_cache_dtype == "fp8" else 1
     if args.format != "bf16":  # (the bytes of the matrices as uploaded: FP8 codes and their scales)
         w = backend.weights
         weight_bytes = w.lm_head.nbytes + sum(x.nbytes for layer in w.layers for x in layer.values()
@@ -103,7 +115,8 @@ def main() -> None:
     step_s = max((weight_bytes + B * context * kv_bytes_per_token) / BANDWIDTH, B * flops_per_token / PEAK)
     theirs = f"{transformers_static_batch(tmp.name, prompts, output_lens):.0f}" if args.transformers else "-"
     tmp.cleanup()
-    print(f"model: {args.model} shape, random weights, {args.format}")
+    print(f"model: {args.model} shape, random weights, {args.format}, {backend.kv_cache_dtype} KV cache of {blocks} blocks "
+          f"({blocks * 16 / (prompt_lens + output_lens).mean():.0f} requests of the mean length at once)")
     print(f"{'requests':>8} | {'output tokens':>13} | {'steps':>6} | {'time (s)':>8} | {'output tok/s':>12} | "
           f"{'transformers tok/s':>18} | {'floor tok/s':>11}")
     print(f"{B:>8} | {generated:>13} | {steps:>6} | {elapsed:8.1f} | {generated / elapsed:12.0f} | {theirs:>18} | "

@@ -164,6 +164,7 @@ def load(device: str) -> tuple[LoadedModel, float, float, tempfile.TemporaryDire
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
+    ap.add_argument("--first-token-only", action="store_true", help="only (c), the time to first token after a cached prefix")
     args = ap.parse_args()
     w = GPU if args.device == "cuda" else CPU
     model, flops, bandwidth, tmp = load(args.device)
@@ -175,7 +176,7 @@ def main() -> None:
           f"{w.own[0]}-{w.own[1]} of their own, {w.output} out; (b) {w.conversations} chats of {w.turns} turns")
     print(f"{'workload':>26} | {'cache':>5} | {'TTFT p50 ms':>11} | {'TTFT p99 ms':>11} | {'output tok/s':>12} | "
           f"{'prompt tokens computed':>22} | {'floor tok/s':>11}")
-    for caching in (False, True):
+    for caching in (True,) if args.first_token_only else (False, True):
         backend = create_backend(args.device, c, model.model_weights())
         blocks = (w.requests * (w.system + w.own[1] + w.output)) // 16 + 64
         engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=blocks, max_num_seqs=w.requests,
@@ -183,9 +184,9 @@ def main() -> None:
         rng = np.random.default_rng(0)
         run_requests(engine, [rng.integers(0, c.vocab_size, 32).tolist()], 4)  # warm-up
         engine.reset_prefix_cache()
-        runs = {"(a) shared system prompt": run_requests(engine, shared_system_prompt(w, c.vocab_size, rng),
-                                                         w.output)[0],
-                "(b) multi-turn chats": Chats(w, c.vocab_size, rng).run(engine)}
+        runs = {} if args.first_token_only else {
+            "(a) shared system prompt": run_requests(engine, shared_system_prompt(w, c.vocab_size, rng), w.output)[0],
+            "(b) multi-turn chats": Chats(w, c.vocab_size, rng).run(engine)}
         for name, r in runs.items():
             floor = r.output_tokens / floor_seconds(r, w.output, params, weight_bytes, flops, bandwidth)
             p50, p99 = np.percentile(r.ttft_ms, [50, 99])

@@ -1,4 +1,4 @@
-#include "common.cuh"
+#include "kv_cache.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
@@ -88,24 +88,29 @@ struct ChunkFragments {  // one lane's share of a chunk's K and V rows
 };
 
 // Positions past `end` read as zeros (no NaN from cache slots never written).
-__device__ __forceinline__ void load_chunk(ChunkFragments& f, const bf16* __restrict__ k_cache,
-                                           const bf16* __restrict__ v_cache, const int* blocks_s, int first_block,
+template <int words>
+__device__ __forceinline__ void load_row(uint32_t* dst, const kv_t* __restrict__ cache, const int* blocks_s,
+                                         int first_block, int block_size, int kv_heads, int kvh, int pos, int dim, int end) {
+    if (pos < end) {
+        const size_t slot = (size_t)blocks_s[pos / block_size - first_block] * block_size + pos % block_size;
+        load_kv_words<words>(dst, cache + (slot * kv_heads + kvh) * HEAD_DIM + dim);
+    } else {
+#pragma unroll
+        for (int i = 0; i < words; i++) dst[i] = 0u;
+    }
+}
+
+__device__ __forceinline__ void load_chunk(ChunkFragments& f, const kv_t* __restrict__ k_cache,
+                                           const kv_t* __restrict__ v_cache, const int* blocks_s, int first_block,
                                            int block_size, int kv_heads, int kvh, int chunk, int end, int g, int q) {
-    auto load = [&](uint32_t* dst, const bf16* cache, int pos, int dim, int words) {
-        if (pos < end) {
-            const size_t slot = (size_t)blocks_s[pos / block_size - first_block] * block_size + pos % block_size;
-            const uint4* src = reinterpret_cast<const uint4*>(cache + (slot * kv_heads + kvh) * HEAD_DIM + dim);
 #pragma unroll
-            for (int i = 0; i < words / 4; i++) reinterpret_cast<uint4*>(dst)[i] = __ldg(src + i);
-        } else {
+    for (int i = 0; i < 2; i++)
+        load_row<K_WORDS>(f.k[i], k_cache, blocks_s, first_block, block_size, kv_heads, kvh, chunk + 8 * i + g,
+                          q * QUARTER, end);
 #pragma unroll
-            for (int i = 0; i < words; i++) dst[i] = 0u;
-        }
-    };
-#pragma unroll
-    for (int i = 0; i < 2; i++) load(f.k[i], k_cache, chunk + 8 * i + g, q * QUARTER, K_WORDS);
-#pragma unroll
-    for (int r = 0; r < 4; r++) load(f.v[r], v_cache, chunk + 2 * q + (r & 1) + 8 * (r >> 1), g * DIM_SLICE, V_WORDS);
+    for (int r = 0; r < 4; r++)
+        load_row<V_WORDS>(f.v[r], v_cache, blocks_s, first_block, block_size, kv_heads, kvh,
+                          chunk + 2 * q + (r & 1) + 8 * (r >> 1), g * DIM_SLICE, end);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial(
@@ -115,8 +120,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     float* __restrict__ part_max,     // [tokens, heads, partitions]
     float* __restrict__ part_sum,     // [tokens, heads, partitions]
     const bf16* __restrict__ qkv,     // [tokens, (heads + 2 kv_heads) * HEAD_DIM], q rotated
-    const bf16* __restrict__ k_cache, // [slots, kv_heads, HEAD_DIM]
-    const bf16* __restrict__ v_cache,
+    const kv_t* __restrict__ k_cache, // [slots, kv_heads, HEAD_DIM] (kv_cache.cuh)
+    const kv_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks,  // [seqs, max_blocks]
     const int* __restrict__ token_seq, const int* __restrict__ positions,
     int heads, int kv_heads, int block_size, int partition, float scale) {
@@ -284,7 +289,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 // M_TILE rows (position-major: row m is position m / GROUP, head m % GROUP), 16 per
 // warp. It walks the partition's context in KV_TILE-position tiles that cp.async
 // copies into shared memory, the next tile's copy in flight while this one is used
-// (two buffers); P V reads V's fragments with ldmatrix.trans. It computes
+// (two buffers; an FP8 cache's codes are copied so, each tile then widened to bfloat16
+// in one more buffer); P V reads V's fragments with ldmatrix.trans. It computes
 // S = Q K^T * scale, masks positions past the partition's end and the row's own
 // position, keeps an online softmax per row and accumulates O += P V with P rounded
 // to bfloat16 (as transformers' eager attention rounds its probabilities).
@@ -297,19 +303,35 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 #define Q_POS (M_TILE / GROUP)         // query positions per tile (as the host's prefill_query_rows)
 #define KV_TILE (HEAD_DIM == 128 ? 32 : 64)  // two buffers of K and V fit 48 KB of shared memory
 #define PAD 8                          // bf16 of padding per shared row: conflict-free fragment reads
-#define PREFILL_MIN_BLOCKS (HEAD_DIM == 128 ? 3 : 4)  // blocks an SM holds (registers): as many as before the pipelined copies
+#define KV_PIECE (16 / (int)sizeof(kv_t))  // cache elements in a 16-byte copy
+// Blocks an SM holds (registers): as many as before the pipelined copies; an FP8 cache's
+// widening needs a few registers more than 128 (4 blocks) allows.
+#ifdef KV_CACHE_FP8
+#define PREFILL_MIN_BLOCKS 3
+#else
+#define PREFILL_MIN_BLOCKS (HEAD_DIM == 128 ? 3 : 4)
+#endif
 #define DIM_BLOCKS (HEAD_DIM / 8)      // n8 blocks of the output
 #define POS_BLOCKS (KV_TILE / 8)       // n8 blocks of the scores
 
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS) prefill_attention_partial(
     float* __restrict__ part_acc, float* __restrict__ part_max, float* __restrict__ part_sum,  // as above
-    const bf16* __restrict__ qkv, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+    const bf16* __restrict__ qkv, const kv_t* __restrict__ k_cache, const kv_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ token_seq,
     const int* __restrict__ positions, const int* __restrict__ tiles,
     int heads, int kv_heads, int block_size, int partition, float scale) {
     await_previous_kernel();
+#ifdef KV_CACHE_FP8  // the codes are copied in two buffers, each tile widened into one of bfloat16
+    __shared__ __align__(16) kv_t k_codes[2][KV_TILE][HEAD_DIM];
+    __shared__ __align__(16) kv_t v_codes[2][KV_TILE][HEAD_DIM];
+    __shared__ __align__(16) bf16 k_s[1][KV_TILE][HEAD_DIM + PAD];
+    __shared__ __align__(16) bf16 v_s[1][KV_TILE][HEAD_DIM + PAD];
+#else
     __shared__ __align__(16) bf16 k_s[2][KV_TILE][HEAD_DIM + PAD];  // [buffer][position][dim]
     __shared__ __align__(16) bf16 v_s[2][KV_TILE][HEAD_DIM + PAD];
+    auto& k_codes = k_s;
+    auto& v_codes = v_s;
+#endif
     const int kvh = blockIdx.y, part = blockIdx.z, first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group_id = lane >> 2, quad = lane & 3;
     const int begin = part * partition, end = min(positions[first + rows - 1] + 1, begin + partition);
@@ -343,12 +365,12 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
 
     // Copies tile `tile`'s K and V rows into buffer `buf`, zeros past the end (one commit group).
     auto stage = [&](int buf, int tile) {
-        for (int e = threadIdx.x; e < KV_TILE * HEAD_DIM / 8; e += PREFILL_THREADS) {
-            const int j = e / (HEAD_DIM / 8), d = e % (HEAD_DIM / 8) * 8, p = tile + j;
+        for (int e = threadIdx.x; e < KV_TILE * HEAD_DIM / KV_PIECE; e += PREFILL_THREADS) {
+            const int j = e / (HEAD_DIM / KV_PIECE), d = e % (HEAD_DIM / KV_PIECE) * KV_PIECE, p = tile + j;
             size_t idx = 0;
             if (p < end) idx = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * HEAD_DIM + d;
-            copy16_async(&k_s[buf][j][d], k_cache + idx, p < end);
-            copy16_async(&v_s[buf][j][d], v_cache + idx, p < end);
+            copy16_async(&k_codes[buf][j][d], k_cache + idx, p < end);
+            copy16_async(&v_codes[buf][j][d], v_cache + idx, p < end);
         }
         copy_commit();
     };
@@ -361,6 +383,24 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
             copy_wait<0>();
         }
         __syncthreads();  // every thread's copies of this tile are visible
+#ifdef KV_CACHE_FP8
+        for (int e = threadIdx.x; e < KV_TILE * HEAD_DIM / 8; e += PREFILL_THREADS) {  // 8 codes of K and of V a turn
+            const int j = e / (HEAD_DIM / 8), d = e % (HEAD_DIM / 8) * 8;
+            const uint2 k = *reinterpret_cast<const uint2*>(&k_codes[buf][j][d]);
+            const uint2 v = *reinterpret_cast<const uint2*>(&v_codes[buf][j][d]);
+            uint4 k16, v16;
+            widen_e4m3x4(k.x, k16.x, k16.y);
+            widen_e4m3x4(k.y, k16.z, k16.w);
+            widen_e4m3x4(v.x, v16.x, v16.y);
+            widen_e4m3x4(v.y, v16.z, v16.w);
+            *reinterpret_cast<uint4*>(&k_s[0][j][d]) = k16;
+            *reinterpret_cast<uint4*>(&v_s[0][j][d]) = v16;
+        }
+        __syncthreads();  // the tile is in bfloat16
+        const int tb = 0;
+#else
+        const int tb = buf;
+#endif
 
         float s[POS_BLOCKS][4];  // C fragments: {row, cols 2q, 2q+1}, {row + 8, cols 2q, 2q+1}
 #pragma unroll
@@ -368,7 +408,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
             s[jb][0] = s[jb][1] = s[jb][2] = s[jb][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-                const bf16* k_row = &k_s[buf][jb * 8 + group_id][kk * 16 + 2 * quad];
+                const bf16* k_row = &k_s[tb][jb * 8 + group_id][kk * 16 + 2 * quad];
                 mma_bf16(s[jb], q[kk], *reinterpret_cast<const uint32_t*>(k_row),
                          *reinterpret_cast<const uint32_t*>(k_row + 8));
             }
@@ -415,7 +455,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
 #pragma unroll
             for (int j = 0; j < DIM_BLOCKS; j += 2) {
                 uint32_t b[4];
-                ldmatrix_x4_trans(b, &v_s[buf][kk * 16 + (lane & 15)][(j + (lane >> 4)) * 8]);
+                ldmatrix_x4_trans(b, &v_s[tb][kk * 16 + (lane & 15)][(j + (lane >> 4)) * 8]);
                 mma_bf16(o[j], a, b[0], b[1]);
                 mma_bf16(o[j + 1], a, b[2], b[3]);
             }
@@ -426,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
     for (int i = 0; i < 2; i++) {
         float l = l_run[i] + __shfl_xor_sync(0xffffffff, l_run[i], 1);
         l += __shfl_xor_sync(0xffffffff, l, 2);
-        if (!row_valid[i]) continue;
+        if (!row_valid[i] || begin >= end) continue;  // (past the tile's context: the merge reads none of it)
         const size_t part_idx = ((size_t)row_t[i] * heads + row_h[i]) * gridDim.z + part;
 #pragma unroll
         for (int j = 0; j < DIM_BLOCKS; j++)

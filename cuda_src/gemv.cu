@@ -1,4 +1,5 @@
 #include "activation.cuh"
+#include "kv_cache.cuh"
 #include "rmsnorm.cuh"
 #include "rope.cuh"
 #include "weights.cuh"
@@ -65,8 +66,8 @@ enum GemvOutput { Y_STORE, Y_ROPE_AND_CACHE, Y_SILU_AND_MUL, Y_ADD_TO_RESIDUAL }
 
 // Where gemv_rmsnorm_rope's outputs go, and the rotation's inputs (as rope_and_cache's).
 struct RopeCache {
-    bf16* k_cache;  // [slots, kv_heads, head_dim]
-    bf16* v_cache;
+    kv_t* k_cache;  // [slots, kv_heads, head_dim]
+    kv_t* v_cache;
     const int* positions;  // of the token: [1]
     const int* slots;
     const float2* cos_sin;  // [positions, head_dim / 2] (rope_cache.cu)
@@ -91,14 +92,21 @@ __device__ __forceinline__ void store_rope_pair(bf16* __restrict__ qkv, const Ro
     const int half = c.head_dim / 2, head = o / half, i = o % half;
     const float x1 = round_bf16(sums[0]), x2 = round_bf16(sums[1]);  // (qkv's bfloat16 values)
     if (head >= c.heads + c.kv_heads) {  // v, as it is
-        bf16* v = c.v_cache + row.cache_row + (size_t)(head - c.heads - c.kv_heads) * c.head_dim;
-        v[i] = to_bf16(x1);
-        v[i + half] = to_bf16(x2);
+        kv_t* v = c.v_cache + row.cache_row + (size_t)(head - c.heads - c.kv_heads) * c.head_dim;
+        v[i] = to_kv(x1);
+        v[i + half] = to_kv(x2);
         return;
     }
-    bf16* x = head < c.heads ? qkv + (size_t)head * c.head_dim
-                             : c.k_cache + row.cache_row + (size_t)(head - c.heads) * c.head_dim;
-    rope_rotate(x1, x2, cs, x[i], x[i + half]);
+    const float2 y = rope_rotate(x1, x2, cs);
+    if (head < c.heads) {
+        bf16* q = qkv + (size_t)head * c.head_dim;
+        q[i] = to_bf16(y.x);
+        q[i + half] = to_bf16(y.y);
+    } else {
+        kv_t* k = c.k_cache + row.cache_row + (size_t)(head - c.heads) * c.head_dim;
+        k[i] = to_kv(y.x);
+        k[i + half] = to_kv(y.y);
+    }
 }
 
 // UNROLL of a lane's 16-byte pieces of a weight row, from column `first` on (zeros from
@@ -297,8 +305,8 @@ extern "C" __global__ void GEMV_BOUNDS gemv_fp8(void* __restrict__ y, int out_f3
 // pairs); dynamic shared memory: d_in * 2 bytes
 extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope(bf16* __restrict__ qkv, const float* __restrict__ residual,
                                                          const bf16* __restrict__ norm_weight, float eps,
-                                                         const bf16* __restrict__ w, bf16* __restrict__ k_cache,
-                                                         bf16* __restrict__ v_cache, const int* __restrict__ positions,
+                                                         const bf16* __restrict__ w, kv_t* __restrict__ k_cache,
+                                                         kv_t* __restrict__ v_cache, const int* __restrict__ positions,
                                                          const int* __restrict__ slots, const float2* __restrict__ cos_sin,
                                                          int heads, int kv_heads, int head_dim, int d_in, int d_out) {
     gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_BF16>(qkv, false, residual, norm_weight, eps, bf16_weight(w), d_in, d_out,
@@ -307,8 +315,8 @@ extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope(bf16* __restrict__
 
 extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope_fp8(
     bf16* __restrict__ qkv, const float* __restrict__ residual, const bf16* __restrict__ norm_weight, float eps,
-    const uint8_t* __restrict__ w, const float* __restrict__ w_scale, int scale_cols, bf16* __restrict__ k_cache,
-    bf16* __restrict__ v_cache, const int* __restrict__ positions, const int* __restrict__ slots,
+    const uint8_t* __restrict__ w, const float* __restrict__ w_scale, int scale_cols, kv_t* __restrict__ k_cache,
+    kv_t* __restrict__ v_cache, const int* __restrict__ positions, const int* __restrict__ slots,
     const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int d_in, int d_out) {
     gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_FP8>(qkv, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in,
                                                   d_out, {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim});

@@ -1,3 +1,4 @@
+#include "kv_cache.cuh"
 #include "rope.cuh"
 
 // The cos and sin of every RoPE angle, position p * inv_freq[i], each rounded to
@@ -17,13 +18,14 @@ extern "C" __global__ void rope_cos_sin(float2* __restrict__ cos_sin, const floa
 //   for each head, i < head_dim / 2, angle = position * inv_freq[i]:
 //     x[i]            <- x[i] * cos - x[i + half] * sin
 //     x[i + half]     <- x[i + half] * cos + x[i] * sin
-//   q is rotated in place in qkv; rotated k and plain v go to cache slot slots[t].
+//   q is rotated in place in qkv; rotated k and plain v go to cache slot slots[t] (as
+//   kv_cache.cuh's elements: bfloat16, or e4m3 codes of the bfloat16 values).
 // cos and sin come from rope_cos_sin's table; the rounding is rope.cuh's.
 // qkv: [tokens, (heads + 2 * kv_heads) * head_dim]; caches: [slots, kv_heads, head_dim]
 // grid: tokens; block: (heads + kv_heads) * head_dim / 2 threads at most 1024, looping
 // (cuda_kernels.rope_and_cache_threads)
-extern "C" __global__ void rope_and_cache(bf16* __restrict__ qkv, bf16* __restrict__ k_cache,
-                                          bf16* __restrict__ v_cache, const int* __restrict__ positions,
+extern "C" __global__ void rope_and_cache(bf16* __restrict__ qkv, kv_t* __restrict__ k_cache,
+                                          kv_t* __restrict__ v_cache, const int* __restrict__ positions,
                                           const int* __restrict__ slots, const float2* __restrict__ cos_sin,
                                           int heads, int kv_heads, int head_dim) {
     await_previous_kernel();
@@ -36,9 +38,16 @@ extern "C" __global__ void rope_and_cache(bf16* __restrict__ qkv, bf16* __restri
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
         const int head = p / half, i = p % half;  // heads first, then kv heads (the k part)
         bf16* x = row + head * head_dim;
-        bf16* y = head < heads ? x : k_cache + cache_row + (head - heads) * head_dim;
-        rope_rotate(to_f32(x[i]), to_f32(x[i + half]), angle_cs[i], y[i], y[i + half]);
+        const float2 y = rope_rotate(to_f32(x[i]), to_f32(x[i + half]), angle_cs[i]);
+        if (head < heads) {
+            x[i] = to_bf16(y.x);
+            x[i + half] = to_bf16(y.y);
+        } else {
+            kv_t* k = k_cache + cache_row + (head - heads) * head_dim;
+            k[i] = to_kv(y.x);
+            k[i + half] = to_kv(y.y);
+        }
     }
     const bf16* v = row + (size_t)(heads + kv_heads) * head_dim;
-    for (int j = threadIdx.x; j < kv_heads * head_dim; j += blockDim.x) v_cache[cache_row + j] = v[j];
+    for (int j = threadIdx.x; j < kv_heads * head_dim; j += blockDim.x) v_cache[cache_row + j] = to_kv(to_f32(v[j]));
 }

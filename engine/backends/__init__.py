@@ -53,10 +53,8 @@ def create_backend(device: str, config: ModelConfig, weights: ModelWeights, cuda
             from engine.backends.cuda.backend import CudaBackend
 
             log.info("device %s: using the CUDA backend", device)
-            if kv_cache_dtype != "auto":
-                raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is served by the CPU backends only for now (the "
-                                 "CUDA attention kernels read bfloat16 K/V): leave it out, or use --device cpu")
-            return CudaBackend(config, weights, cuda_graphs=cuda_graphs, batch_invariant=batch_invariant)
+            return CudaBackend(config, weights, cuda_graphs=cuda_graphs, batch_invariant=batch_invariant,
+                               kv_cache_dtype=kv_cache_dtype)
         if device == "cuda":
             raise RuntimeError(f"--device cuda, but {reason}; use --device cpu or auto")
         from engine.backends.cpu.kernels import CompilerMissing

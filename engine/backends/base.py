@@ -22,6 +22,13 @@ MAX_STEPS_IN_FLIGHT = 2
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
+def is_fp8_kv_cache(kv_cache_dtype: str) -> bool:
+    """Whether --kv-cache-dtype asks for e4m3 K and V (ValueError for a dtype there is not)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+    return kv_cache_dtype == "fp8"
+
+
 class Backend(Protocol):
     name: str  # "numpy", "cpu" or "cuda"
     weight_dtype: str  # what it computes with the weights in: "float32", "bfloat16"

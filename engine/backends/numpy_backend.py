@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.backends.base import KV_CACHE_DTYPES, SampleLater, Wait
+from engine.backends.base import SampleLater, Wait, is_fp8_kv_cache
 from engine.config import ModelConfig
 from engine.models import architecture_of
 from engine.quantization.fp8 import e4m3_to_f32, f32_to_e4m3
@@ -141,12 +141,10 @@ class NumpyBackend:
     weight_dtype = "float32"  # (every format dequantized: the exact reference)
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, kv_cache_dtype: str = "auto"):
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: choose one of {', '.join(KV_CACHE_DTYPES)}")
         # K and V as computed (float32), or as e4m3 bit patterns with a scale of 1 (vLLM's
         # fp8 without calibrated scales): a quarter of the bytes, the values rounded to
         # 3 mantissa bits and saturating at 448
-        self.fp8_kv = kv_cache_dtype == "fp8"
+        self.fp8_kv = is_fp8_kv_cache(kv_cache_dtype)
         self.kv_cache_dtype = "fp8_e4m3" if self.fp8_kv else "float32"
         self._kv_type = np.dtype(np.uint8 if self.fp8_kv else np.float32)
         self.config = config

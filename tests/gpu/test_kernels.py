@@ -21,6 +21,7 @@ from engine.backends import numpy_backend as ref  # noqa: E402
 from engine.backends.cuda.cublas import Cublas, DataType  # noqa: E402
 from engine.backends.cuda.kernels import Kernels, PagedAttention, prefill_query_rows, skinny_splits  # noqa: E402
 from engine.backends.cuda.step_metadata import PARTITION, SMALL_DECODE_PARTITION  # noqa: E402
+from engine.quantization.fp8 import E4M3, e4m3_to_f32, f32_to_e4m3  # noqa: E402
 from engine.sampler import apply_penalties  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.weights import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
@@ -31,13 +32,15 @@ TOL = 1e-2
 
 
 @functools.cache
-def kernels_for(group: int, head_dim: int = 64) -> Kernels:
-    """The kernels compiled for `head_dim` and `group` query heads per KV head."""
+def kernels_for(group: int, head_dim: int = 64, kv_fp8: bool = False) -> Kernels:
+    """The kernels compiled for `head_dim` and `group` query heads per KV head (and a
+    cache of e4m3 codes where `kv_fp8`)."""
     import pycuda.driver as cuda
 
     device = cuda.Context.get_device()
     major, minor = device.compute_capability()
-    return Kernels(head_dim, group, f"sm_{major}{minor}", device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT))
+    return Kernels(head_dim, group, f"sm_{major}{minor}", device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT),
+                   kv_fp8)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +62,20 @@ def poisoned_bf16(shape) -> gpuarray.GPUArray:
 
 def i32(values) -> gpuarray.GPUArray:
     return gpuarray.to_gpu(np.asarray(values, dtype=np.int32))
+
+
+E4M3_NAN = np.uint8(0x7F)
+
+
+def poisoned_cache(shape, kv_fp8: bool) -> gpuarray.GPUArray:
+    """A KV cache of NaNs in its element: bfloat16, or e4m3 codes."""
+    return gpuarray.to_gpu(np.full(shape, E4M3_NAN, np.uint8) if kv_fp8 else np.full(shape, BF16_NAN, np.uint16))
+
+
+def cache_values(cache: gpuarray.GPUArray) -> np.ndarray:
+    """A KV cache's values in float32, from bfloat16 or e4m3 codes."""
+    host = cache.get()
+    return e4m3_to_f32(host) if host.dtype == np.uint8 else bf16_bits_to_f32(host)
 
 
 @pytest.mark.parametrize("tokens, hidden", [(1, 64), (37, 2048), (5, 576)])
@@ -144,15 +161,44 @@ def test_rope_and_cache(cuda_context, heads, kv_heads):
     assert np.isnan(k_got[untouched]).all(), "wrote outside the slot mapping"
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (9, 3)])
+def test_fp8_cache_holds_the_bfloat16_cache_rounded_as_the_numpy_backend_rounds(cuda_context, heads, kv_heads):
+    """rope_and_cache built for an e4m3 cache writes, bit for bit, the codes fp8.py
+    rounds the bfloat16 build's K and V to: V (stored as it is) is every e4m3 value,
+    every midpoint between two (a tie goes to the smaller magnitude), both signs, and
+    past 448 (saturating); K is rotated, over a wide range."""
+    D, slots_total = 64, 300
+    magnitudes = np.unique(np.abs(E4M3[np.isfinite(E4M3)]))
+    special = np.concatenate([magnitudes, (magnitudes[:-1] + magnitudes[1:]) / 2, [460.0, 464.0, 500.0, 1e4]])
+    special = np.concatenate([special, -special]).astype(np.float32)
+    width = kv_heads * D
+    tokens = -(-len(special) // width) + 3
+    qkv = (RNG.standard_normal((tokens, (heads + 2 * kv_heads) * D)) * 40).astype(np.float32)
+    qkv[:, (heads + kv_heads) * D :] = np.resize(RNG.permutation(special), (tokens, width))
+    positions, slots = i32(RNG.integers(0, 5000, tokens)), RNG.permutation(slots_total)[:tokens]
+    caches = {}
+    for kv_fp8 in (False, True):
+        kernels = kernels_for(heads // kv_heads, D, kv_fp8)
+        k_cache, v_cache = poisoned_cache((slots_total, kv_heads, D), kv_fp8), poisoned_cache((slots_total, kv_heads, D), kv_fp8)
+        kernels.rope_and_cache(None, up_bf16(qkv), k_cache, v_cache, positions, i32(slots),
+                               cos_sin_table(kernels, llama3_inv_freq(D), 5000), tokens, heads, kv_heads)
+        caches[kv_fp8] = k_cache.get(), v_cache.get()
+    for bf16_bits, codes in zip(caches[False], caches[True]):
+        assert np.array_equal(codes[slots], f32_to_e4m3(bf16_bits_to_f32(bf16_bits[slots])))
+        assert (np.delete(codes, slots, axis=0) == E4M3_NAN).all(), "wrote outside the slot mapping"
+
+
 @pytest.mark.parametrize("kernel", ["decode merging itself", "decode", "prefill"])
 @pytest.mark.parametrize("heads, kv_heads, D", [(32, 8, 64), (9, 3, 64), (24, 8, 128)])  # Llama 3.2 1B, SmolLM2, 3B
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("partition", [PARTITION, SMALL_DECODE_PARTITION])
-def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, partition):
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16 cache", "fp8 cache"])
+def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, partition, kv_fp8):
     """Decode tokens and prefill chunks of several sequences in one launch, over
     lengths that are not multiples of the block size and past one partition, through
     the decode kernel (split context, merged by the last partition's block, or by the
-    merge kernel) and through the prefill kernel (query tiles, then the merge kernel)."""
+    merge kernel) and through the prefill kernel (query tiles, then the merge kernel);
+    over a cache of bfloat16 or of e4m3 codes (against the codes' values)."""
     # (context before this step, tokens in this step): decode, chunked prefill, full prefill, long decode
     seqs = [(37, 1), (20, 13), (0, 45), (PARTITION * 2 + 77, 1), (PARTITION - 1, 3), (0, 300), (PARTITION - 100, 250)]
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 4
@@ -170,9 +216,13 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
     table_arr = np.zeros((len(seqs), max_blocks), np.int32)
     for i, t in enumerate(tables):
         table_arr[i, : len(t)] = t
-    kc, vc, qkv_gpu = up_bf16(k_cache), up_bf16(v_cache), up_bf16(qkv)
+    if kv_fp8:
+        kc, vc = gpuarray.to_gpu(f32_to_e4m3(k_cache)), gpuarray.to_gpu(f32_to_e4m3(v_cache))
+    else:
+        kc, vc = up_bf16(k_cache), up_bf16(v_cache)
+    qkv_gpu = up_bf16(qkv)
     scale = np.float32(D ** -0.5)
-    kernels = kernels_for(heads // kv_heads, D)
+    kernels = kernels_for(heads // kv_heads, D, kv_fp8)
     partitions = -(-max(c + n for c, n in seqs) // partition)
     part_acc = gpuarray.to_gpu(np.full((tokens, heads, partitions, D), np.nan, np.float32))
     part_max = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
@@ -206,7 +256,7 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
     start = 0
     for (c, n), table in zip(seqs, tables):
         slots = (np.asarray(table)[:, None] * block_size + np.arange(block_size)).ravel()[: c + n]
-        expected = ref.paged_attention(q[start : start + n], bf16(k_cache), bf16(v_cache), slots, c, scale)
+        expected = ref.paged_attention(q[start : start + n], cache_values(kc), cache_values(vc), slots, c, scale)
         assert rel_l2(got[start : start + n], expected) < TOL, (c, n)
         start += n
 
@@ -326,8 +376,9 @@ def separate_rmsnorm(kernels, residual: gpuarray.GPUArray, norm_weight: gpuarray
 # (Llama 3.2 1B, SmolLM2-135M and Llama 3.2 3B's attention shapes)
 @pytest.mark.parametrize("heads, kv_heads, D, hidden", [(32, 8, 64, 2048), (9, 3, 64, 576), (24, 8, 128, 3072)])
 @pytest.mark.parametrize("blocks", [None, 2])
-def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(cuda_context, heads, kv_heads, D, hidden, blocks):
-    kernels = kernels_for(heads // kv_heads, D)
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16 cache", "fp8 cache"])
+def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(cuda_context, heads, kv_heads, D, hidden, blocks, kv_fp8):
+    kernels = kernels_for(heads // kv_heads, D, kv_fp8)
     residual = gpuarray.to_gpu(bf16(RNG.standard_normal((1, hidden)).astype(np.float32)))
     norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
     width, slots_total = (heads + 2 * kv_heads) * D, 64
@@ -336,7 +387,7 @@ def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(cuda_context, heads, 
     cos_sin = cos_sin_table(kernels, llama3_inv_freq(D), 5000)
 
     def caches() -> tuple[gpuarray.GPUArray, gpuarray.GPUArray]:
-        return poisoned_bf16((slots_total, kv_heads, D)), poisoned_bf16((slots_total, kv_heads, D))
+        return poisoned_cache((slots_total, kv_heads, D), kv_fp8), poisoned_cache((slots_total, kv_heads, D), kv_fp8)
     expected_qkv = separate_gemv(kernels, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, width)
     expected_k, expected_v = caches()
     kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads)

@@ -86,6 +86,25 @@ def test_last_logits_match_transformers(llama, n):
     assert err16 < 3e-2
 
 
+def test_fp8_kv_cache_logits_stay_near_the_bfloat16_caches(llama):
+    """With K and V in e4m3 (3 mantissa bits against bfloat16's 7), the last-position
+    logits move away from the exact model, but by less than three times what bfloat16
+    alone moves them, at every prompt length."""
+    from engine.backends.cuda.backend import CudaBackend
+
+    hf, engine = llama
+    model = engine.model
+    fp8 = LLMEngine(model, CudaBackend(model.config, model.model_weights(), cuda_graphs=False, kv_cache_dtype="fp8"),
+                    EngineConfig(num_kv_blocks=256))
+    for n in (17, 300, 2000):
+        ids = prompt_of(engine, n)
+        exact = hf_logits(hf["fp32"], ids)[-1]
+        err_bf16, err_fp8 = rel_l2(our_logits(engine, ids), exact), rel_l2(our_logits(fp8, ids), exact)
+        print(f"\n{n}-token prompt: last-position logits rel L2 against float32 {err_fp8:.2e} with an FP8 KV cache, "
+              f"{err_bf16:.2e} with bfloat16")
+        assert err_fp8 < 3 * err_bf16
+
+
 def test_teacher_forced_greedy_agreement(llama):
     hf, engine = llama
     prompt = prompt_of(engine, 17)
@@ -384,7 +403,11 @@ def smollm2_shape(tmp_path_factory):
     return path
 
 
-def test_smollm2_shape_cuda_matches_numpy(smollm2_shape):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_smollm2_shape_cuda_matches_numpy(smollm2_shape, kv_cache_dtype):
+    """The same greedy tokens, with K and V cached in each backend's own precision or
+    both in e4m3 (the CUDA backend's codes rounded from bfloat16, the numpy backend's
+    from float32)."""
     from engine.backends.cuda.backend import CudaBackend
     from engine.backends.numpy_backend import NumpyBackend
 
@@ -393,12 +416,14 @@ def test_smollm2_shape_cuda_matches_numpy(smollm2_shape):
     prompts = [rng.integers(0, 500, n).tolist() for n in (1, 9, 40, 130)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     results = {}
-    for name, backend in (("numpy", NumpyBackend(model.config, model.model_weights())), ("cuda", CudaBackend(model.config, model.model_weights()))):
+    for name, backend in (("numpy", NumpyBackend(model.config, model.model_weights(), kv_cache_dtype)),
+                          ("cuda", CudaBackend(model.config, model.model_weights(), kv_cache_dtype=kv_cache_dtype))):
         engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=256))
         outs = run(engine, [engine.make_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)], check_blocks=False)
         results[name] = [tokens(outs[f"r{i}"]) for i in range(len(prompts))]
     same = sum(a == b for a, b in zip(results["numpy"], results["cuda"]))
-    print(f"\nSmolLM2 shape: {same}/{len(prompts)} prompts give the same 24 greedy tokens on cuda and numpy")
+    print(f"\nSmolLM2 shape, {kv_cache_dtype} KV cache: {same}/{len(prompts)} prompts give the same 24 greedy tokens "
+          "on cuda and numpy")
     assert results["cuda"] == results["numpy"]
 
 

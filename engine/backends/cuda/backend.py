@@ -16,7 +16,7 @@ import pycuda.driver as cuda
 import pycuda.gpuarray as gpuarray
 from pycuda.tools import DeviceMemoryPool
 
-from engine.backends.base import MAX_STEPS_IN_FLIGHT, SampleLater, Wait
+from engine.backends.base import MAX_STEPS_IN_FLIGHT, SampleLater, Wait, is_fp8_kv_cache
 from engine.backends.cuda.buffers import KvCache, StepBuffers
 from engine.backends.cuda.cublas import Cublas, CublasError
 from engine.backends.cuda.step_graphs import PROMPT_BUCKETS, StepGraphs
@@ -59,16 +59,19 @@ class StepSlot:
 
 class CudaBackend:
     name = "cuda"
-    kv_cache_dtype = "bfloat16"
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: int = 0, cuda_graphs: bool = True,
                  graph_max_batch: int = 256, graph_max_context: int = 4096, prompt_graphs: bool = True,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, kv_cache_dtype: str = "auto"):
         if config.head_dim not in (64, 128) or config.num_heads // config.num_kv_heads > 8:
             raise ValueError("the CUDA attention kernels need head_dim 64 or 128 and at most 8 heads per KV head")
         if config.hidden_size % 8 or config.intermediate_size % 8:
             raise ValueError("the CUDA kernels need hidden and intermediate sizes that are multiples of 8")
         self.config = config
+        # K and V in bfloat16, or as e4m3 codes with a scale of 1 (vLLM's fp8 without
+        # calibrated scales, as the numpy backend's): half the bytes, twice the tokens
+        self.fp8_kv = is_fp8_kv_cache(kv_cache_dtype)
+        self.kv_cache_dtype = "fp8_e4m3" if self.fp8_kv else "bfloat16"
         self.batch_invariant = batch_invariant  # GEMMs in fixed tiles: see step_metadata
         cuda.init()
         self.device = cuda.Device(device)
@@ -78,7 +81,7 @@ class CudaBackend:
             major, minor = self.device.compute_capability()
             sm_count = self.device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
             group = config.num_heads // config.num_kv_heads
-            self.kernel_build = (config.head_dim, group, f"sm_{major}{minor}", sm_count)  # Kernels' arguments
+            self.kernel_build = (config.head_dim, group, f"sm_{major}{minor}", sm_count, self.fp8_kv)  # Kernels' arguments
             self.kernels = Kernels(*self.kernel_build)
             self.query_rows = prefill_query_rows(group)
             self.stream = cuda.Stream()
@@ -117,7 +120,7 @@ class CudaBackend:
 
     # -- the KV cache -------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        return KvCache.bytes_per_block(self.config, block_size)
+        return KvCache.bytes_per_block(self.config, block_size, self.fp8_kv)
 
     def blocks_for_memory_fraction(self, fraction: float, block_size: int) -> int:
         """KV blocks that fit while this process stays under `fraction` of the GPU's memory
@@ -135,7 +138,7 @@ class CudaBackend:
                              f"{-(-PARTITION // (MAX_PART_BLOCKS - 2))}")
         c = self.config
         with self._context():
-            self.cache = KvCache(c, num_blocks, block_size)
+            self.cache = KvCache(c, num_blocks, block_size, self.fp8_kv)
             # A step samples at most one token per sequence, and each holds a block. The
             # device buffer stays put (graphs read it).
             self.sampled = gpuarray.empty(num_blocks, np.int32)

@@ -51,16 +51,22 @@ class StepBuffers:
 
 
 class KvCache:
-    """Each layer's K and V in bfloat16, [slots, kv_heads, head_dim], slot = block *
-    block_size + offset. One block more than asked for, `dummy_block`, belongs to no
-    sequence: the padding rows of CUDA graphs and batch-invariant tiles write there."""
+    """Each layer's K and V, [slots, kv_heads, head_dim], slot = block * block_size +
+    offset: bfloat16, or e4m3 codes where `fp8` (cuda_src/kv_cache.cuh). One block more
+    than asked for, `dummy_block`, belongs to no sequence: the padding rows of CUDA
+    graphs and batch-invariant tiles write there."""
 
-    def __init__(self, c: ModelConfig, num_blocks: int, block_size: int):
-        shape = ((num_blocks + 1) * block_size, c.num_kv_heads, c.head_dim)
-        self.k = [gpuarray.empty(shape, np.uint16) for _ in range(c.num_layers)]
-        self.v = [gpuarray.empty(shape, np.uint16) for _ in range(c.num_layers)]
+    def __init__(self, c: ModelConfig, num_blocks: int, block_size: int, fp8: bool):
+        shape, dtype = ((num_blocks + 1) * block_size, c.num_kv_heads, c.head_dim), self.element(fp8)
+        self.k = [gpuarray.empty(shape, dtype) for _ in range(c.num_layers)]
+        self.v = [gpuarray.empty(shape, dtype) for _ in range(c.num_layers)]
         self.block_size, self.dummy_block = block_size, num_blocks
 
     @staticmethod
-    def bytes_per_block(c: ModelConfig, block_size: int) -> int:
-        return 2 * c.num_layers * block_size * c.kv_size * 2
+    def element(fp8: bool) -> np.dtype:
+        """The cache's element as the host holds it: bfloat16's bits, or an e4m3 code."""
+        return np.dtype(np.uint8 if fp8 else np.uint16)
+
+    @staticmethod
+    def bytes_per_block(c: ModelConfig, block_size: int, fp8: bool) -> int:
+        return 2 * c.num_layers * block_size * c.kv_size * KvCache.element(fp8).itemsize

@@ -190,20 +190,22 @@ class PagedAttention:
 
 class Kernels:
     """The kernels of cuda_src/, compiled for this device (HEAD_DIM and GROUP are
-    compile-time constants), each launched by the method of its name. `programmatic`
+    compile-time constants, and so is the KV cache's element: bfloat16, or e4m3 codes
+    where `kv_cache_fp8`), each launched by the method of its name. `programmatic`
     builds them to await their predecessor in-kernel (common.cuh), for CUDA graphs whose
     edges into them are programmatic; eager launches take the plain build. `functions`
     holds the prepared PyCUDA functions, by name (benchmarks wrap them to time launches).
     `sources` is where the .cu files are read from (benchmarks compare other versions)."""
 
-    def __init__(self, head_dim: int, group: int, arch: str, sm_count: int, programmatic: bool = False,
-                 sources: Path = CUDA_SRC):
+    def __init__(self, head_dim: int, group: int, arch: str, sm_count: int, kv_cache_fp8: bool = False,
+                 programmatic: bool = False, sources: Path = CUDA_SRC):
         import pycuda.driver as cuda
         from pycuda.compiler import SourceModule
 
         self.head_dim, self.sm_count = head_dim, sm_count
         modules, self.functions, self._resident = {}, {}, {}
-        options = ["-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"] + (["-DPROGRAMMATIC_LAUNCH"] if programmatic else [])
+        options = (["-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"] + (["-DKV_CACHE_FP8"] if kv_cache_fp8 else [])
+                   + (["-DPROGRAMMATIC_LAUNCH"] if programmatic else []))
         for name, (file, signature) in SIGNATURES.items():
             if file not in modules:
                 modules[file] = SourceModule((sources / file).read_text(), no_extern_c=True, arch=arch, options=options,

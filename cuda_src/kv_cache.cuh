@@ -1,0 +1,66 @@
+// The paged KV cache's element, as the kernels that write it (rope_cache.cu, gemv.cu)
+// and read it (attention.cu) see it: bfloat16, or, in the build with -DKV_CACHE_FP8
+// (--kv-cache-dtype fp8), an e4m3 code with a scale of 1, half the bytes. Either way
+// the attention kernels compute on bfloat16: an e4m3 value widens to bfloat16 exactly.
+#pragma once
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+
+#ifdef KV_CACHE_FP8
+typedef uint8_t kv_t;
+
+// The e4m3 code nearest to x, saturating at +-448, a tie going to the smaller
+// magnitude: exactly the numpy backend's f32_to_e4m3 (engine/quantization/fp8.py).
+// Normal values round their float32 bits to 3 mantissa bits (the carry may reach the
+// exponent), rebiased from 127 to 7; below 2^-6 the codes are multiples of 2^-9.
+__device__ __forceinline__ kv_t to_kv(float x) {
+    const float a = fminf(fabsf(x), 448.f);
+    const uint32_t code = a < 0x1p-6f ? (uint32_t)ceilf(a * 512.f - 0.5f)
+                                      : ((__float_as_uint(a) + (1u << 19) - 1) >> 20) - (120u << 3);
+    return (kv_t)(code | (x < 0.f ? 0x80u : 0u));
+}
+
+// 4 codes (one word) as two words of bfloat16 pairs, codes 0, 1 in lo and 2, 3 in hi.
+__device__ __forceinline__ void widen_e4m3x4(uint32_t codes, uint32_t& lo, uint32_t& hi) {
+    const __half2 a(__nv_cvt_fp8x2_to_halfraw2(codes & 0xFFFF, __NV_E4M3));
+    const __half2 b(__nv_cvt_fp8x2_to_halfraw2(codes >> 16, __NV_E4M3));
+    lo = pack_bf16(__low2float(a), __high2float(a));
+    hi = pack_bf16(__low2float(b), __high2float(b));
+}
+
+// `words` words of bfloat16 pairs (2 * words values) from the cache at src (aligned to
+// the bytes it reads): 16-byte loads of codes where they fill them, else 8-byte ones.
+template <int words>
+__device__ __forceinline__ void load_kv_words(uint32_t* dst, const kv_t* __restrict__ src) {
+    if constexpr (words % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < words / 8; i++) {
+            const uint4 c = __ldg(reinterpret_cast<const uint4*>(src) + i);
+            widen_e4m3x4(c.x, dst[8 * i], dst[8 * i + 1]);
+            widen_e4m3x4(c.y, dst[8 * i + 2], dst[8 * i + 3]);
+            widen_e4m3x4(c.z, dst[8 * i + 4], dst[8 * i + 5]);
+            widen_e4m3x4(c.w, dst[8 * i + 6], dst[8 * i + 7]);
+        }
+    } else {
+        static_assert(words % 4 == 0, "whole 8-byte loads");
+#pragma unroll
+        for (int i = 0; i < words / 4; i++) {
+            const uint2 c = __ldg(reinterpret_cast<const uint2*>(src) + i);
+            widen_e4m3x4(c.x, dst[4 * i], dst[4 * i + 1]);
+            widen_e4m3x4(c.y, dst[4 * i + 2], dst[4 * i + 3]);
+        }
+    }
+}
+#else
+typedef bf16 kv_t;
+
+__device__ __forceinline__ kv_t to_kv(float x) { return to_bf16(x); }
+
+template <int words>
+__device__ __forceinline__ void load_kv_words(uint32_t* dst, const kv_t* __restrict__ src) {
+    static_assert(words % 4 == 0, "whole 16-byte loads");
+#pragma unroll
+    for (int i = 0; i < words / 4; i++) reinterpret_cast<uint4*>(dst)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+}
+#endif
