@@ -5,12 +5,13 @@ bandwidth), and time to first token of a 1024-token prompt; then each layer matr
 product by itself, per format and rows (our GEMV at 1 row; cuBLAS, after dequantizing a
 quantized weight, above), with the bandwidth it reaches.
 
-    python bench/quantized.py [--formats bf16,fp8,fp8-head] [--no-kernels | --kernels-only]
+    python bench/quantized.py [--formats bf16,fp8,fp8-head,int4] [--no-kernels | --kernels-only]
 
 Formats: bf16 (the checkpoint as it is: also what the CUDA backend served FP8
 checkpoints as before it read FP8), fp8 (the layers' matrices in FP8 with per-row
 scales, as --quantization fp8), fp8-blocks (128 x 128 block scales, as Hugging Face's
-fp8 checkpoints), fp8-head (fp8 and the tied head, as --quantize-lm-head).
+fp8 checkpoints), fp8-head (fp8 and the tied head, as --quantize-lm-head), int4 (the
+layers' matrices in INT4, groups of 128 with zero points, as AWQ and GPTQ checkpoints).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine_throughput import StepTimeline  # noqa: E402
 from bench.latency import ours  # noqa: E402
 from devtools.checkpoints import LLAMA_32_1B, make_model  # noqa: E402
-from devtools.quantized import fp8_model  # noqa: E402
+from devtools.quantized import fp8_model, int4_model  # noqa: E402
 from engine.backends.cuda.backend import CudaBackend  # noqa: E402
 from engine.backends.cuda.linear import LinearWeight  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
@@ -37,7 +38,7 @@ from engine.weights import f32_to_bf16_bits  # noqa: E402
 
 BANDWIDTH = 4.27e12  # bytes/s: a device-to-device copy on the H200 (bench/RESULTS.md)
 FORMATS = {"bf16": lambda m: m, "fp8": fp8_model, "fp8-blocks": lambda m: fp8_model(m, (128, 128)),
-           "fp8-head": lambda m: fp8_model(m, head=True)}
+           "fp8-head": lambda m: fp8_model(m, head=True), "int4": lambda m: int4_model(m, 128)}
 KERNEL_ROWS = (1, 2, 4, 8, 16, 64, 256)
 
 
@@ -117,7 +118,7 @@ def kernel_times(backend: CudaBackend, name: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", default="bf16,fp8,fp8-blocks,fp8-head")
+    ap.add_argument("--formats", default="bf16,fp8,fp8-blocks,fp8-head,int4")
     ap.add_argument("--no-kernels", dest="kernels", action="store_false", help="skip the per-matrix table")
     ap.add_argument("--kernels-only", action="store_true", help="only the per-matrix table")
     args = ap.parse_args()

@@ -38,12 +38,14 @@
 // The oracles: numpy's x @ w.T for gemv, and the separate kernels for the variants
 // (tests/gpu/test_kernels.py).
 //
-// Each kernel comes in two weight formats (WeightFormat): bfloat16, and FP8 (e4m3
-// codes, 16 to a lane's 16-byte load, times float32 scales: one per output row, or one
-// per 128 x 128 block as Hugging Face's fp8 checkpoints store them). The FP8 kernels
-// (name_fp8) sum code * x in float32 and scale each row's sum (each block's part of it,
-// for block scales) once; their oracle is numpy's x @ (codes * scales).T
-// (tests/gpu/test_quantized.py).
+// Each kernel comes in three weight formats (WeightFormat): bfloat16; FP8 (e4m3 codes,
+// 16 to a lane's 16-byte load, times float32 scales: one per output row, or one per
+// 128 x 128 block as Hugging Face's fp8 checkpoints store them); and INT4 (32 codes a
+// load, with a scale and a zero point per group of columns, as AWQ and GPTQ store them).
+// The FP8 kernels (name_fp8) sum code * x in float32 and scale each row's sum (each
+// block's part of it, for block scales) once; the INT4 ones (name_int4) sum (code -
+// zero) * x, exact in float32 but for the sum, and scale each 32 columns' part. Their
+// oracle is numpy's x @ w.T of the dequantized weight (tests/gpu/test_quantized.py).
 #define GEMV_WARPS 8  // 256 threads: the block add_rmsnorm reduces a row over (rmsnorm.cuh)
 #define UNROLL 8
 #define SPAN (32 * 8)  // bfloat16 weights one warp reads with one load per lane
@@ -57,6 +59,8 @@ __device__ __forceinline__ int gemv_split(int d_in) {
 }
 // At least 4 blocks an SM (32 warps, 128 KB of weights in flight).
 #define GEMV_BOUNDS __launch_bounds__(GEMV_WARPS * 32, 4)
+// INT4's unpacking takes more registers than 4 blocks an SM leave (it spills): 3 blocks.
+#define GEMV_INT4_BOUNDS __launch_bounds__(GEMV_WARPS * 32, 3)
 // The variants whose outputs take two weight rows keep both in flight (64 registers of
 // loads a thread): at least 2 blocks an SM (16 warps, 128 KB in flight); with 3 they spill.
 #define GEMV_PAIR_BOUNDS __launch_bounds__(GEMV_WARPS * 32, 2)
@@ -138,12 +142,14 @@ __device__ __forceinline__ void load_x8(const bf16* x, int c, float* out) {
 
 // This lane's share of x[begin:end] . w_row[begin:end], with its first UNROLL pieces
 // already in raw; leaves the first pieces of next_row's slice (if any) in raw. For FP8
-// the sum of codes times x, each 128-column block's part times `block_scales`' entry
-// for it where given (the row's block scales), else left for the row's scale.
+// the sum of codes times x, each 128-column block's part times `row_scales`' entry
+// for it where given (the row's block scales), else left for the row's scale. For INT4
+// each piece's sum of (code - zero) times x, times the scale, of its group of
+// `group_cols` columns (`row_scales`: the row's (scale, zero) pairs).
 template <GemvInput IN, WeightFormat W>
 __device__ __forceinline__ float gemv_slice(uint4* raw, const bf16* x, const uint8_t* __restrict__ w_row,
-                                            const uint8_t* __restrict__ next_row, const float* __restrict__ block_scales,
-                                            int lane, int lanes, int begin, int end) {
+                                            const uint8_t* __restrict__ next_row, const float* __restrict__ row_scales,
+                                            int group_cols, int lane, int lanes, int begin, int end) {
     constexpr int C = COLS<W>;
     const int STEP = lanes * C;
     float acc = 0.f;
@@ -158,7 +164,7 @@ __device__ __forceinline__ float gemv_slice(uint4* raw, const bf16* x, const uin
                 load_x8<IN>(x, c, xf);
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc += wf[i] * xf[i];
-            } else {  // (in halves of 8, to stay within the registers of 4 blocks an SM)
+            } else if constexpr (W == W_FP8) {  // (in halves of 8, to stay within the registers of 4 blocks an SM)
                 float dot = 0.f;
                 unpack_e4m3x8(raw[u].x, raw[u].y, wf);
                 load_x8<IN>(x, c, xf);
@@ -168,7 +174,20 @@ __device__ __forceinline__ float gemv_slice(uint4* raw, const bf16* x, const uin
                 load_x8<IN>(x, c + 8, xf);
 #pragma unroll
                 for (int i = 0; i < 8; i++) dot += wf[i] * xf[i];
-                acc += block_scales ? dot * block_scales[c / FP8_BLOCK] : dot;
+                acc += row_scales ? dot * row_scales[c / group_cols] : dot;
+            } else {  // INT4: the piece's 32 columns lie in one group (group_cols is a multiple of 32)
+                const float2 scale_zero = reinterpret_cast<const float2*>(row_scales)[c / group_cols];
+                const float zero = int4_biased_zero(scale_zero.y);
+                const uint32_t words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+                float dot = 0.f;
+#pragma unroll
+                for (int h = 0; h < 4; h++) {
+                    unpack_int4x8(words[h], zero, wf);
+                    load_x8<IN>(x, c + 8 * h, xf);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) dot += wf[i] * xf[i];
+                }
+                acc += dot * scale_zero.x;
             }
         }
         const int next = base + STEP * UNROLL;
@@ -197,10 +216,18 @@ __device__ __forceinline__ float group_sum(float acc, float* slice_sums, int war
 
 // A warp's lanes take 32 / lanes output rows at once, `lanes` lanes a row: a whole warp
 // would leave half its loads unused on an FP8 row of 2048 columns (128 of its 16-byte
-// pieces), so half a warp takes an FP8 row of up to HALF_WARP_COLUMNS (mirrored by
-// cuda_kernels.gemv_rows_per_block). (Batch-1 steps took 0.871 ms before and after,
+// pieces), so half a warp takes an FP8 row of up to 2048 columns, and an INT4 row as
+// few lanes (8 at least) as its UNROLL loads cover (mirrored by
+// kernels.gemv_rows_per_block). (FP8 batch-1 steps took 0.871 ms before and after,
 // bench/RESULTS.md: at this size a GEMV's time is more its start and end than its loads.)
-#define HALF_WARP_COLUMNS (16 * 16 * UNROLL)
+template <WeightFormat W>
+__device__ __forceinline__ int row_lanes(int d_in) {
+    if constexpr (W == W_BF16) return 32;
+    constexpr int fewest = W == W_FP8 ? 16 : 8;
+    int lanes = 32;
+    while (lanes > fewest && d_in <= lanes / 2 * COLS<W> * UNROLL) lanes /= 2;
+    return lanes;
+}
 template <GemvInput IN, GemvOutput OUT, WeightFormat W>
 __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, const void* __restrict__ src,
                                           const bf16* __restrict__ norm_weight, float eps, const WeightRef w,
@@ -210,7 +237,7 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
     // Weight rows an output takes: a RoPE pair's two, or gate row o and up row d_out + o.
     constexpr int PARTS = OUT == Y_ROPE_AND_CACHE || OUT == Y_SILU_AND_MUL ? 2 : 1;
     constexpr int C = COLS<W>;
-    const int lanes = W == W_FP8 && d_in <= HALF_WARP_COLUMNS ? 16 : 32, ROWS = 32 / lanes;
+    const int lanes = row_lanes<W>(d_in), ROWS = 32 / lanes;
     const int lane = threadIdx.x % lanes, sub = (threadIdx.x & 31) / lanes, warp = threadIdx.x >> 5;
     const int split = lanes == 32 ? gemv_split<W>(d_in) : 1, groups = GEMV_WARPS / split, slice = warp % split;
     const int width = (d_in / C + split - 1) / split * C;  // (a multiple of C, as the loads need)
@@ -225,10 +252,13 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
         return (size_t)part * d_out + o;
     };
     auto weight_row = [&](int o, int part) { return w.data + row_of(o, part) * d_in * 16 / C; };
-    auto block_scales = [&](int o, int part) -> const float* {
+    // FP8's block scales of the row (null for a scale a row), or INT4's (scale, zero) pairs.
+    auto row_scales = [&](int o, int part) -> const float* {
+        if (W == W_INT4) return w.scale + row_of(o, part) * w.scale_cols * 2;
         if (W == W_BF16 || w.scale_cols == 0) return nullptr;
         return w.scale + row_of(o, part) / FP8_BLOCK * w.scale_cols;
     };
+    const int group_cols = W == W_INT4 ? d_in / w.scale_cols : FP8_BLOCK;
     int first = blockIdx.x * groups * ROWS;  // the block's first output; its group's is first + warp / split * ROWS
     // The weights are no earlier kernel's output: the first loads of the group's first
     // output (of each of its rows) go out before the wait for the previous kernel, and
@@ -263,8 +293,8 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
             float acc = 0.f;
             if (o < d_out) {
                 const uint8_t* next = o + stride < d_out ? weight_row(o + stride, part) : nullptr;
-                acc = gemv_slice<IN, W>(raw[part], x, weight_row(o, part), next, block_scales(o, part), lane, lanes, begin,
-                                        end);
+                acc = gemv_slice<IN, W>(raw[part], x, weight_row(o, part), next, row_scales(o, part), group_cols, lane,
+                                        lanes, begin, end);
             }
             sums[part] = group_sum(acc, slice_sums, warp, lane, lanes, slice, split);
             if (W == W_FP8 && w.scale_cols == 0 && o < d_out) sums[part] *= w.scale[row_of(o, part)];
@@ -285,8 +315,9 @@ __device__ __forceinline__ void gemv_rows(void* __restrict__ y, bool out_f32, co
     }
 }
 
-// The kernels, each in both formats: NAME with bfloat16 weights `w`, NAME_fp8 with e4m3
-// codes `w` and their `w_scale` (scale_cols 0: one a row; else 128 x 128 blocks).
+// The kernels, each in the three formats: NAME with bfloat16 weights `w`, NAME_fp8 with
+// e4m3 codes `w` and their `w_scale` (scale_cols 0: one a row; else 128 x 128 blocks),
+// NAME_int4 with INT4 codes `w` and their (scale, zero) pairs, scale_cols groups a row.
 
 // y = x @ w^T, y float32 if out_f32 else bfloat16
 extern "C" __global__ void GEMV_BOUNDS gemv(void* __restrict__ y, int out_f32, const bf16* __restrict__ x,
@@ -298,6 +329,12 @@ extern "C" __global__ void GEMV_BOUNDS gemv_fp8(void* __restrict__ y, int out_f3
                                                 const uint8_t* __restrict__ w, const float* __restrict__ w_scale,
                                                 int scale_cols, int d_in, int d_out) {
     gemv_rows<X_GIVEN, Y_STORE, W_FP8>(y, out_f32, x, nullptr, 0.f, {w, w_scale, scale_cols}, d_in, d_out);
+}
+
+extern "C" __global__ void GEMV_INT4_BOUNDS gemv_int4(void* __restrict__ y, int out_f32, const bf16* __restrict__ x,
+                                                 const uint8_t* __restrict__ w, const float* __restrict__ w_scale,
+                                                 int scale_cols, int d_in, int d_out) {
+    gemv_rows<X_GIVEN, Y_STORE, W_INT4>(y, out_f32, x, nullptr, 0.f, {w, w_scale, scale_cols}, d_in, d_out);
 }
 
 // qkv = RMSNorm(residual) @ w^T, then rope_and_cache: q rotated in place, k rotated and
@@ -322,6 +359,15 @@ extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope_fp8(
                                                   d_out, {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim});
 }
 
+extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope_int4(
+    bf16* __restrict__ qkv, const float* __restrict__ residual, const bf16* __restrict__ norm_weight, float eps,
+    const uint8_t* __restrict__ w, const float* __restrict__ w_scale, int scale_cols, kv_t* __restrict__ k_cache,
+    kv_t* __restrict__ v_cache, const int* __restrict__ positions, const int* __restrict__ slots,
+    const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int d_in, int d_out) {
+    gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_INT4>(qkv, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in,
+                                                   d_out, {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim});
+}
+
 // act = silu_and_mul(RMSNorm(residual) @ w^T), w = [gate | up] of 2 * d_out rows;
 // dynamic shared memory: d_in * 2 bytes
 extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_silu(bf16* __restrict__ act, const float* __restrict__ residual,
@@ -339,6 +385,15 @@ extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_silu_fp8(bf16* __restri
                                                 d_out);
 }
 
+extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_silu_int4(bf16* __restrict__ act, const float* __restrict__ residual,
+                                                              const bf16* __restrict__ norm_weight, float eps,
+                                                              const uint8_t* __restrict__ w,
+                                                              const float* __restrict__ w_scale, int scale_cols, int d_in,
+                                                              int d_out) {
+    gemv_rows<X_RMSNORM, Y_SILU_AND_MUL, W_INT4>(act, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in,
+                                                 d_out);
+}
+
 // residual += x @ w^T
 extern "C" __global__ void GEMV_BOUNDS gemv_add(float* __restrict__ residual, const bf16* __restrict__ x,
                                                 const bf16* __restrict__ w, int d_in, int d_out) {
@@ -351,25 +406,56 @@ extern "C" __global__ void GEMV_BOUNDS gemv_add_fp8(float* __restrict__ residual
     gemv_rows<X_GIVEN, Y_ADD_TO_RESIDUAL, W_FP8>(residual, false, x, nullptr, 0.f, {w, w_scale, scale_cols}, d_in, d_out);
 }
 
-// out[o, i] = bf16(code[o, i] * scale): an FP8 weight as bfloat16, for the GEMMs of
-// steps of more rows than the GEMV takes (cuBLAS multiplies in bfloat16). Rows
-// [first_row, first_row + rows) of w into out's rows 0.. (a chunk of a weight larger
-// than the scratch buffer); a thread per 16 codes. d_in % 16 == 0.
+extern "C" __global__ void GEMV_INT4_BOUNDS gemv_add_int4(float* __restrict__ residual, const bf16* __restrict__ x,
+                                                     const uint8_t* __restrict__ w, const float* __restrict__ w_scale,
+                                                     int scale_cols, int d_in, int d_out) {
+    gemv_rows<X_GIVEN, Y_ADD_TO_RESIDUAL, W_INT4>(residual, false, x, nullptr, 0.f, {w, w_scale, scale_cols}, d_in, d_out);
+}
+
+// out[o, i] = bf16(w[o, i]): a quantized weight as bfloat16, for the GEMMs of steps of
+// more rows than the GEMV (or the skinny GEMM) takes (cuBLAS multiplies in bfloat16).
+// Rows [first_row, first_row + rows) of w into out's rows 0.. (a chunk of a weight
+// larger than the scratch buffer); a thread per 16-byte piece of codes (COLS<W>).
+template <WeightFormat W>
+__device__ __forceinline__ void dequantize_rows(bf16* __restrict__ out, const WeightRef w, int first_row, int rows,
+                                                int d_in) {
+    await_previous_kernel();
+    constexpr int C = COLS<W>;
+    const int pieces = d_in / C;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)rows * pieces;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int r = first_row + (int)(i / pieces), c = (int)(i % pieces) * C;
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(w.data + ((size_t)r * d_in + c) * 16 / C));
+        float f[C], scale;
+        if constexpr (W == W_FP8) {
+            scale = w.scale_cols ? w.scale[(size_t)(r / FP8_BLOCK) * w.scale_cols + c / FP8_BLOCK] : w.scale[r];
+            unpack_e4m3x16(raw, f);
+        } else {
+            const float2 scale_zero = reinterpret_cast<const float2*>(w.scale)[(size_t)r * w.scale_cols + c / (d_in / w.scale_cols)];
+            const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+            for (int h = 0; h < 4; h++) unpack_int4x8(words[h], int4_biased_zero(scale_zero.y), f + 8 * h);
+            scale = scale_zero.x;
+        }
+        uint4* dst = reinterpret_cast<uint4*>(out + i * C);
+#pragma unroll
+        for (int k = 0; k < C / 8; k++) {
+            float scaled[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) scaled[j] = f[8 * k + j] * scale;
+            dst[k] = pack_bf16x8(scaled);
+        }
+    }
+}
+
 extern "C" __global__ void dequantize_fp8(bf16* __restrict__ out, const uint8_t* __restrict__ w,
                                           const float* __restrict__ w_scale, int scale_cols, int first_row, int rows,
                                           int d_in) {
-    await_previous_kernel();
-    const int pieces = d_in / 16;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)rows * pieces;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const int r = first_row + (int)(i / pieces), c = (int)(i % pieces) * 16;
-        const float scale = scale_cols ? w_scale[(size_t)(r / FP8_BLOCK) * scale_cols + c / FP8_BLOCK] : w_scale[r];
-        float f[16];
-        unpack_e4m3x16(__ldg(reinterpret_cast<const uint4*>(w + (size_t)r * d_in + c)), f);
-#pragma unroll
-        for (int k = 0; k < 16; k++) f[k] *= scale;
-        uint4* dst = reinterpret_cast<uint4*>(out + i * 16);
-        dst[0] = pack_bf16x8(f);
-        dst[1] = pack_bf16x8(f + 8);
-    }
+    dequantize_rows<W_FP8>(out, {w, w_scale, scale_cols}, first_row, rows, d_in);
+}
+
+extern "C" __global__ void dequantize_int4(bf16* __restrict__ out, const uint8_t* __restrict__ w,
+                                           const float* __restrict__ w_scale, int scale_cols, int first_row, int rows,
+                                           int d_in) {
+    dequantize_rows<W_INT4>(out, {w, w_scale, scale_cols}, first_row, rows, d_in);
 }

@@ -166,6 +166,15 @@ def fp8_fast(w: np.ndarray, block: tuple[int, int] | None = None) -> Fp8Weight:
     return Fp8Weight(codes, scale, block)
 
 
+def int4_model(model: LoadedModel, group: int = 128) -> LoadedModel:
+    """A LoadedModel with its layers' matrices quantized by quantize_int4 (AWQ's and GPTQ's
+    asymmetric groups, in order)."""
+    import dataclasses
+
+    return dataclasses.replace(model, weights={
+        name: quantize_int4(t.float32(), group) if is_layer_matrix(name, t) else t for name, t in model.weights.items()})
+
+
 def fp8_model(model: LoadedModel, block: tuple[int, int] | None = None, head: bool = False) -> LoadedModel:
     """A LoadedModel with its layers' matrices (and its head, or the embedding it is tied
     to, with `head`) quantized by fp8_fast."""

@@ -1,11 +1,13 @@
 """Quantized weights on the GPU against the numpy backend's dequantized computation.
 
-Kernels: the FP8 GEMV (per-row, per-tensor and 128 x 128 block scales) against numpy's
-x @ (codes * scales).T at the bfloat16 kernels' tolerance (relative L2 under 1e-2: the
-activations and outputs are bfloat16); its fused variants bit for bit against the FP8
+Kernels: the FP8 GEMV (per-row, per-tensor and 128 x 128 block scales) and the INT4
+one (groups of 128 and of 32 columns, a zero point each) against numpy's x @ w.T of the
+dequantized weight at the bfloat16 kernels' tolerance (relative L2 under 1e-2: the
+activations and outputs are bfloat16); their fused variants bit for bit against the
 GEMV followed by the kernels they replace, as the bfloat16 ones are tested; the
-dequantizing kernel exactly; the skinny GEMM for every split; a Linear over GEMM tiles (cuBLAS on the dequantized weight,
-in chunks of rows where the scratch buffer is smaller than the weight).
+dequantizing kernels exactly; the FP8 skinny GEMM for every split; a Linear over GEMM
+tiles (cuBLAS on the dequantized weight, in chunks of rows where the scratch buffer is
+smaller than the weight).
 
 The whole model at the Llama 3.2 1B shape (random weights from a fixed seed), with its
 layers in FP8 (per-row or block scales, the head too or not), over 40 prompts of 1 to
@@ -18,6 +20,7 @@ bench/RESULTS.md.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +32,10 @@ require_gpu()
 
 import pycuda.gpuarray as gpuarray  # noqa: E402
 
-from devtools.quantized import fp8_fast  # noqa: E402
-from engine.backends.cuda.weights import fp8_linear  # noqa: E402
+from devtools.quantized import fp8_fast, quantize_int4  # noqa: E402
+from engine.backends.cuda.linear import LinearWeight  # noqa: E402
+from engine.backends.cuda.weights import fp8_linear, int4_linear  # noqa: E402
+from engine.quantization.base import QuantizedWeight  # noqa: E402
 from engine.quantization.fp8 import Fp8Weight  # noqa: E402
 from engine.weights import bf16_bits_to_f32  # noqa: E402
 from tests.gpu.conftest import bf16, rel_l2  # noqa: E402
@@ -53,10 +58,21 @@ def per_tensor(w: np.ndarray) -> Fp8Weight:
 SCALES = {"per-row": fp8_fast, "per-tensor": per_tensor, "blocks": lambda w: fp8_fast(w, (128, 128))}
 
 
-def fp8_weight(d_out: int, d_in: int, scales: str, spread: float = 1.0) -> Fp8Weight:
-    """Random weights with rows of different magnitudes, so that each row's scale matters."""
+INT4_GROUPS = {"int4 g128": 128, "int4 g32": 32}
+QUANTIZERS = {**SCALES, **{name: functools.partial(quantize_int4, group=g) for name, g in INT4_GROUPS.items()}}
+
+
+def quantized_weight(d_out: int, d_in: int, kind: str, spread: float = 1.0) -> QuantizedWeight:
+    """Random weights with rows of different magnitudes, so that each row's scale matters,
+    quantized by QUANTIZERS[kind] (an INT4 kind skips a d_in its groups do not divide)."""
+    if d_in % INT4_GROUPS.get(kind, 1):
+        pytest.skip(f"{d_in} columns are not whole groups of {INT4_GROUPS[kind]}")
     w = RNG.standard_normal((d_out, d_in)).astype(np.float32) * spread / np.sqrt(d_in)
-    return SCALES[scales](w * RNG.uniform(0.2, 2.0, (d_out, 1)).astype(np.float32))
+    return QUANTIZERS[kind](w * RNG.uniform(0.2, 2.0, (d_out, 1)).astype(np.float32))
+
+
+def on_gpu(q: QuantizedWeight) -> LinearWeight:
+    return fp8_linear(q) if isinstance(q, Fp8Weight) else int4_linear(q)
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +80,14 @@ def kernels(cuda_context):
     return kernels_for(4)
 
 
-@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("scales", QUANTIZERS)
 @pytest.mark.parametrize("d_in, d_out, out_f32", [(2048, 3072, False), (8192, 2048, False), (2048, 16384, False),
                                                   (2048, 128256, True), (576, 1002, False), (16384, 24, True),
-                                                  (4112, 40, False)])  # (rows split over 1, 2 and 4 warps; ragged)
-def test_gemv_fp8_matches_numpy_on_any_grid(kernels, scales, d_in, d_out, out_f32):
+                                                  (4112, 40, False), (4096, 40, False)])  # (rows over 8 to 32 lanes, 1 to 4 warps; ragged)
+def test_gemv_quantized_matches_numpy_on_any_grid(kernels, scales, d_in, d_out, out_f32):
     x = RNG.standard_normal(d_in).astype(np.float32)
-    q = fp8_weight(d_out, d_in, scales)
-    w, xg = fp8_linear(q), up_bf16(x)
+    q = quantized_weight(d_out, d_in, scales)
+    w, xg = on_gpu(q), up_bf16(x)
 
     def gemv(blocks: int | None = None) -> np.ndarray:
         y = gpuarray.to_gpu(np.full(d_out, np.nan, np.float32)) if out_f32 else poisoned_bf16((d_out,))
@@ -89,30 +105,31 @@ def test_gemv_fp8_matches_numpy_on_any_grid(kernels, scales, d_in, d_out, out_f3
 @pytest.mark.parametrize("rows", [2, 33, 64])
 def test_skinny_gemm_fp8_matches_numpy_for_every_split(kernels, scales, d_in, d_out, out_f32, rows):
     x = RNG.standard_normal((rows, d_in)).astype(np.float32)
-    q = fp8_weight(d_out, d_in, scales)
+    q = quantized_weight(d_out, d_in, scales)
     assert_skinny_gemm_is_exact_and_row_invariant(kernels, x, fp8_linear(q), bf16(x) @ q.float32().T, out_f32,
                                                   skinny_splits(rows, d_in, "fp8"))
 
 
-@pytest.mark.parametrize("scales", SCALES)
-def test_dequantize_fp8_is_exact(kernels, scales):
-    """bf16(code * scale) for every weight, here in two chunks of rows."""
-    q = fp8_weight(300, 2048, scales)
-    w = fp8_linear(q)
+@pytest.mark.parametrize("scales", QUANTIZERS)
+def test_dequantize_is_exact(kernels, scales):
+    """bf16 of each weight's value (code * scale, or (code - zero) * scale), here in two
+    chunks of rows."""
+    q = quantized_weight(300, 2048, scales)
+    w = on_gpu(q)
     out = poisoned_bf16((300, 2048))
-    kernels.dequantize_fp8(None, out, w, 0, 200)
-    kernels.dequantize_fp8(None, int(out.gpudata) + 200 * 2048 * 2, w, 200, 100)
+    kernels.dequantize(None, out, w, 0, 200)
+    kernels.dequantize(None, int(out.gpudata) + 200 * 2048 * 2, w, 200, 100)
     assert np.array_equal(bf16_bits_to_f32(out.get()), bf16(q.float32()))
 
 
-@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("scales", QUANTIZERS)
 @pytest.mark.parametrize("heads, kv_heads, D, hidden", [(32, 8, 64, 2048), (24, 8, 128, 3072)])
-def test_gemv_rmsnorm_rope_fp8_equals_gemv_then_rope_and_cache(cuda_context, scales, heads, kv_heads, D, hidden):
+def test_gemv_rmsnorm_rope_quantized_equals_gemv_then_rope_and_cache(cuda_context, scales, heads, kv_heads, D, hidden):
     kernels = kernels_for(heads // kv_heads, D)
     residual = gpuarray.to_gpu(bf16(RNG.standard_normal((1, hidden)).astype(np.float32)))
     norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
     width, slots_total = (heads + 2 * kv_heads) * D, 64
-    w = fp8_linear(fp8_weight(width, hidden, scales))
+    w = on_gpu(quantized_weight(width, hidden, scales))
     positions, slots = i32(RNG.integers(0, 5000, 1)), i32(RNG.integers(0, slots_total, 1))
     cos_sin = cos_sin_table(kernels, llama3_inv_freq(D), 5000)
 
@@ -132,12 +149,12 @@ def test_gemv_rmsnorm_rope_fp8_equals_gemv_then_rope_and_cache(cuda_context, sca
     assert np.array_equal(v_cache.get(), expected_v.get())
 
 
-@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("scales", QUANTIZERS)
 @pytest.mark.parametrize("hidden, inter", [(2048, 8192), (576, 1536)])
-def test_gemv_rmsnorm_silu_fp8_equals_gemv_then_silu(kernels, scales, hidden, inter):
+def test_gemv_rmsnorm_silu_quantized_equals_gemv_then_silu(kernels, scales, hidden, inter):
     residual = gpuarray.to_gpu(bf16(RNG.standard_normal((1, hidden)).astype(np.float32)))
     norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
-    w = fp8_linear(fp8_weight(2 * inter, hidden, scales, spread=3.0))
+    w = on_gpu(quantized_weight(2 * inter, hidden, scales, spread=3.0))
     gate_up = poisoned_bf16((1, 2 * inter))
     kernels.gemv(None, gate_up, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, 2 * inter)
     expected = poisoned_bf16((1, inter))
@@ -147,12 +164,12 @@ def test_gemv_rmsnorm_silu_fp8_equals_gemv_then_silu(kernels, scales, hidden, in
     assert np.array_equal(act.get(), expected.get())
 
 
-@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("scales", QUANTIZERS)
 @pytest.mark.parametrize("d_in, hidden", [(2048, 2048), (8192, 2048), (576, 576)])
-def test_gemv_add_fp8_equals_gemv_then_residual_add(kernels, scales, d_in, hidden):
+def test_gemv_add_quantized_equals_gemv_then_residual_add(kernels, scales, d_in, hidden):
     residual = bf16(RNG.standard_normal((1, hidden)).astype(np.float32))
     x = up_bf16(RNG.standard_normal((1, d_in)).astype(np.float32))
-    w = fp8_linear(fp8_weight(hidden, d_in, scales))
+    w = on_gpu(quantized_weight(hidden, d_in, scales))
     y = poisoned_bf16((1, hidden))
     kernels.gemv(None, y, x, w, d_in, hidden)
     expected = gpuarray.to_gpu(residual)
@@ -162,12 +179,12 @@ def test_gemv_add_fp8_equals_gemv_then_residual_add(kernels, scales, d_in, hidde
     assert np.array_equal(got.get(), expected.get())
 
 
-@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("scales", QUANTIZERS)
 @pytest.mark.parametrize("d_in, d_out, out_f32, scratch_rows", [(2048, 8192, False, 8192), (8192, 2048, False, 2048),
                                                                 (2048, 50000, True, 16384)])  # (the head in 4 chunks)
-def test_fp8_linear_over_gemm_tiles(cuda_context, kernels, scales, d_in, d_out, out_f32, scratch_rows):
-    """Tiles of 1 row (the GEMV), of up to 32 (the skinny GEMM) and of more (cuBLAS on the
-    dequantized weight)."""
+def test_quantized_linear_over_gemm_tiles(cuda_context, kernels, scales, d_in, d_out, out_f32, scratch_rows):
+    """Tiles of 1 row (the GEMV), of up to 32 (FP8: the skinny GEMM) and of more (cuBLAS
+    on the dequantized weight)."""
     import pycuda.driver as cuda
 
     from engine.backends.cuda.cublas import Cublas
@@ -177,10 +194,10 @@ def test_fp8_linear_over_gemm_tiles(cuda_context, kernels, scales, d_in, d_out, 
     linear = Linear(Cublas(stream.handle, int(workspace), 32 * 2**20), stream,
                     gpuarray.empty(scratch_rows * d_in, np.uint16))
     tiles, rows = [(0, 1), (1, 7), (8, 64), (72, 1), (73, 100)], 173
-    q = fp8_weight(d_out, d_in, scales)
+    q = quantized_weight(d_out, d_in, scales)
     x = RNG.standard_normal((rows, d_in)).astype(np.float32)
     y = gpuarray.to_gpu(np.full((rows, d_out), np.nan, np.float32)) if out_f32 else poisoned_bf16((rows, d_out))
-    linear(kernels, y, up_bf16(x), fp8_linear(q), tiles)
+    linear(kernels, y, up_bf16(x), on_gpu(q), tiles)
     stream.synchronize()
     got = y.get() if out_f32 else bf16_bits_to_f32(y.get())
     expected = bf16(x) @ q.float32().T
@@ -274,24 +291,28 @@ def prompt_of(engine, n: int) -> list[int]:
     return ids[:n]
 
 
-@pytest.mark.parametrize("fmt", ["fp8-rows", "fp8-blocks", "fp8-rows-and-head"])
-def test_fp8_model_matches_its_exact_model_as_bf16_does(llama_dir, tmp_path, bf16_run, fmt):
+@pytest.mark.parametrize("fmt", ["fp8-rows", "fp8-blocks", "fp8-rows-and-head", "int4-g128"])
+def test_quantized_model_matches_its_exact_model_as_bf16_does(llama_dir, tmp_path, bf16_run, fmt):
     """The layers in FP8 with per-row scales (as --quantization fp8 and compressed-tensors
     checkpoints) or 128 x 128 blocks (Hugging Face's fp8), and the tied head too
     (--quantize-lm-head), quantized by devtools' fast quantizer (our reference one takes
-    minutes at this shape): over 40 prompts of 1 to 2,047 tokens, ours against the
-    exact dequantized model as close as transformers' bfloat16 of it, and as our
-    bfloat16 path against its own exact model."""
-    from devtools.quantized import fp8_model
+    minutes at this shape); or in INT4, groups of 128 with zero points (as AWQ and GPTQ):
+    over 40 prompts of 1 to 2,047 tokens, ours against the exact dequantized model as
+    close as transformers' bfloat16 of it, and as our bfloat16 path against its own
+    exact model."""
+    from devtools.quantized import fp8_model, int4_model
     from engine.backends.cuda.backend import CudaBackend
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.model_loader import load_model
 
-    model = fp8_model(load_model(llama_dir), (128, 128) if fmt == "fp8-blocks" else None, head=fmt.endswith("head"))
+    if fmt == "int4-g128":
+        model = int4_model(load_model(llama_dir), 128)
+    else:
+        model = fp8_model(load_model(llama_dir), (128, 128) if fmt == "fp8-blocks" else None, head=fmt.endswith("head"))
     engine = LLMEngine(model, CudaBackend(model.config, model.model_weights()),
                        EngineConfig(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=4096))
     assert engine.backend.weights.lm_head.format == ("fp8" if fmt.endswith("head") else "bf16")
-    assert {w.format for w in engine.backend.weights.layers[0].values() if hasattr(w, "format")} == {"fp8"}
+    assert {w.format for w in engine.backend.weights.layers[0].values() if hasattr(w, "format")} == {fmt[:4].rstrip("-")}
     prompts, base = bf16_run
     got = measure(engine, references(model, llama_dir, tmp_path / "ref"), prompts)
     added = np.mean([rel_l2(a, b) for a, b in zip(got["logits"], base["logits"])])

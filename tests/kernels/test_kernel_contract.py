@@ -64,8 +64,11 @@ def test_launch_geometry_matches_the_sources():
     assert (ck.PREFILL_THREADS, ck.PREFILL_M_TILE, ck.MAX_PART_BLOCKS) == (
         attention["PREFILL_THREADS"], attention["M_TILE"], attention["MAX_PART_BLOCKS"])
     assert ck.GEMV_WARPS == gemv["GEMV_WARPS"]
-    assert ck.GEMV_SLICE == gemv["SPAN"] * gemv["UNROLL"]
-    assert ck.HALF_WARP_COLUMNS == gemv["HALF_WARP_COLUMNS"]
+    assert ck.GEMV_SLICE == gemv["SPAN"] * gemv["UNROLL"] and ck.GEMV_UNROLL == gemv["UNROLL"]
+    fewest = re.search(r"constexpr int fewest = W == W_FP8 \? (\d+) : (\d+);", source("gemv.cu"))
+    assert (ck.FEWEST_ROW_LANES["fp8"], ck.FEWEST_ROW_LANES["int4"]) == (int(fewest[1]), int(fewest[2]))
+    columns = re.search(r"COLS = W == W_BF16 \? (\d+) : W == W_FP8 \? (\d+) : (\d+);", (ck.CUDA_SRC / "weights.cuh").read_text())
+    assert tuple(ck.GEMV_COLUMNS.values()) == tuple(int(c) for c in columns.groups())
     assert (ck.SAMPLE_CLUSTER, ck.SAMPLE_THREADS) == (sampling["SAMPLE_CLUSTER"], sampling["SAMPLE_THREADS"])
     assert (ck.SKINNY_THREADS, ck.SKINNY_ROWS, ck.SKINNY_MAX_ROWS) == (
         skinny["SKINNY_THREADS"], skinny["SKINNY_ROWS"], skinny["SKINNY_MAX_ROWS"])
@@ -78,6 +81,15 @@ def test_gemv_split(d_in, split):
     """gemv_split's rule, as gemv.cu states it: slices of at least GEMV_SLICE columns,
     at most one warp each."""
     assert ck.gemv_split(d_in) == split
+
+
+@pytest.mark.parametrize("d_in, format, lanes, rows", [
+    (2048, "bf16", 32, 8), (8192, "bf16", 32, 2), (576, "fp8", 16, 16), (2048, "fp8", 16, 16), (8192, "fp8", 32, 4),
+    (576, "int4", 8, 32), (2048, "int4", 8, 32), (4096, "int4", 16, 16), (8192, "int4", 32, 8), (16384, "int4", 32, 4)])
+def test_gemv_row_lanes(d_in, format, lanes, rows):
+    """A quantized row narrower than a warp's UNROLL loads takes fewer lanes: half a warp
+    for FP8 rows up to 2,048 columns, a quarter for INT4 rows up to 2,048."""
+    assert (ck.gemv_row_lanes(d_in, format), ck.gemv_rows_per_block(d_in, format)) == (lanes, rows)
 
 
 @pytest.mark.parametrize("rows, d_in, d_out, format, split", [

@@ -32,7 +32,7 @@ from engine.sequence import Sequence
 from engine.weights import ModelWeights
 
 log = logging.getLogger("llamastream.engine")
-FORMAT_NAMES = {"bf16": "bfloat16", "fp8": "fp8_e4m3"}  # LinearWeight formats, as weight_dtype says them
+FORMAT_NAMES = {"bf16": "bfloat16", "fp8": "fp8_e4m3", "int4": "int4"}  # LinearWeight formats, as weight_dtype says them
 WORKSPACE_BYTES = 32 * 2**20
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
 
@@ -90,7 +90,7 @@ class CudaBackend:
             self.blas = Cublas(self.stream.handle, int(self.workspace), WORKSPACE_BYTES)
             self.weights = DeviceWeights.upload(weights)
             self.weight_bytes = self.weights.nbytes
-            # FP8 matrices stay FP8 (linear.py); other quantized ones are uploaded as bfloat16
+            # FP8 and INT4 matrices stay so (weights.py); other quantized ones are uploaded as bfloat16
             self.weight_dtype = " and ".join(sorted({FORMAT_NAMES[f] for f in self.weights.formats}))
             scratch = self.weights.scratch_bytes
             self.linear = Linear(self.blas, self.stream, gpuarray.empty(scratch // 2, np.uint16) if scratch else None)

@@ -75,7 +75,7 @@ class LayerLaunches:
     fusions (`fused`, a step of one row: gemv.cu) come in: rms_norm -> linear ->
     rope_and_cache is one gemv_rmsnorm_rope, rms_norm -> linear -> silu_and_mul one
     gemv_rmsnorm_silu, and linear -> add_to_residual one gemv_add, each in the weight's
-    format (bfloat16 or FP8). Otherwise an add to the residual is left pending and rides
+    format (bfloat16, FP8 or INT4). Otherwise an add to the residual is left pending and rides
     in the next add_rmsnorm."""
 
     def __init__(self, forward: ForwardPass, kernels: Kernels, buffers: StepBuffers, shape: StepShape, fused: bool):

@@ -23,9 +23,10 @@ ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS, PREFILL_M_TILE = 128, 64  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
 GEMV_WARPS = 8  # as in gemv.cu
+GEMV_UNROLL = 8  # a lane's 16-byte loads in flight (UNROLL in gemv.cu)
 GEMV_SLICE = 2048  # bfloat16 columns of one warp's loads (SPAN * UNROLL in gemv.cu)
-GEMV_COLUMNS = {"bf16": 8, "fp8": 16}  # weights in a lane's 16-byte load, by format (COLS in gemv.cu)
-HALF_WARP_COLUMNS = 2048  # FP8 rows up to this wide take half a warp each (as in gemv.cu)
+GEMV_COLUMNS = {"bf16": 8, "fp8": 16, "int4": 32}  # weights in a lane's 16-byte load, by format (COLS in weights.cuh)
+FEWEST_ROW_LANES = {"bf16": 32, "fp8": 16, "int4": 8}  # the fewest lanes a row takes (row_lanes in gemv.cu)
 SAMPLE_CLUSTER, SAMPLE_THREADS = 8, 1024  # blocks a row and threads a block of sample_tokens (sampling.cu)
 STAGED_INPUT_BYTES = 47 * 1024  # gemv.cu's staged input: 48 KB a block takes without opting in, less its static shared memory
 ROW_THREADS = 256  # the block of the row-wise kernels (embedding, add_rmsnorm, silu_and_mul, apply_penalties)
@@ -48,11 +49,11 @@ SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i in
     "gemv_add": ("gemv.cu", "PPPii"),
     "gemv_rmsnorm_rope": ("gemv.cu", "PPPfPPPPPPiiiii"),
     "gemv_rmsnorm_silu": ("gemv.cu", "PPPfPii"),
-    "gemv_fp8": ("gemv.cu", "PiPPPiii"),
-    "gemv_add_fp8": ("gemv.cu", "PPPPiii"),
-    "gemv_rmsnorm_rope_fp8": ("gemv.cu", "PPPfPPiPPPPPiiiii"),
-    "gemv_rmsnorm_silu_fp8": ("gemv.cu", "PPPfPPiii"),
-    "dequantize_fp8": ("gemv.cu", "PPPiiii"),
+    **{f"gemv{suffix}": ("gemv.cu", "PiPPPiii") for suffix in ("_fp8", "_int4")},
+    **{f"gemv_add{suffix}": ("gemv.cu", "PPPPiii") for suffix in ("_fp8", "_int4")},
+    **{f"gemv_rmsnorm_rope{suffix}": ("gemv.cu", "PPPfPPiPPPPPiiiii") for suffix in ("_fp8", "_int4")},
+    **{f"gemv_rmsnorm_silu{suffix}": ("gemv.cu", "PPPfPPiii") for suffix in ("_fp8", "_int4")},
+    **{f"dequantize{suffix}": ("gemv.cu", "PPPiiii") for suffix in ("_fp8", "_int4")},
     **{f"skinny_gemm_s{n}": ("skinny_gemm.cu", "PiPiPii") for n in SKINNY_SPLITS},
     **{f"skinny_gemm_fp8_s{n}": ("skinny_gemm.cu", "PiPiPPiii") for n in SKINNY_SPLITS},
     "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
@@ -97,12 +98,20 @@ def gemv_split(d_in: int, format: str = "bf16") -> int:
     return split
 
 
+def gemv_row_lanes(d_in: int, format: str = "bf16") -> int:
+    """Lanes a gemv.cu weight row takes (row_lanes there): a warp, or for a quantized row
+    that fewer lanes' UNROLL loads cover, as few as that (FEWEST_ROW_LANES at least)."""
+    lanes = 32
+    while lanes > FEWEST_ROW_LANES[format] and d_in <= lanes // 2 * GEMV_COLUMNS[format] * GEMV_UNROLL:
+        lanes //= 2
+    return lanes
+
+
 def gemv_rows_per_block(d_in: int, format: str = "bf16") -> int:
     """Output rows a gemv.cu block computes at once: a row per group of gemv_split warps,
-    or two a warp for FP8 rows of up to HALF_WARP_COLUMNS (half a warp each)."""
-    if format == "fp8" and d_in <= HALF_WARP_COLUMNS:
-        return 2 * GEMV_WARPS
-    return GEMV_WARPS // gemv_split(d_in, format)
+    or 32 / gemv_row_lanes a warp for rows narrower than a warp."""
+    lanes = gemv_row_lanes(d_in, format)
+    return GEMV_WARPS * 32 // lanes if lanes < 32 else GEMV_WARPS // gemv_split(d_in, format)
 
 
 @functools.cache  # (asked at every launch: a step's host time)
@@ -139,8 +148,8 @@ def gemv_weight(w: Any) -> tuple[str, tuple]:
     fmt = getattr(w, "format", "bf16")
     if fmt == "bf16":
         return "", (ptr(getattr(w, "data", w)),)
-    if fmt == "fp8":
-        return "_fp8", (ptr(w.data), ptr(w.scale), np.int32(w.scale_cols))
+    if fmt in ("fp8", "int4"):
+        return f"_{fmt}", (ptr(w.data), ptr(w.scale), np.int32(w.scale_cols))
     raise ValueError(f"no GEMV for {fmt} weights")
 
 
@@ -319,12 +328,13 @@ class Kernels:
         self._gemv("gemv_rmsnorm_silu", stream, w, hidden, inter, 2 * hidden, blocks,
                    (ptr(act), ptr(residual), ptr(norm_weight), np.float32(eps)))
 
-    def dequantize_fp8(self, stream, out, w, first_row: int, rows: int) -> None:
+    def dequantize(self, stream, out, w, first_row: int, rows: int) -> None:
         """out[r - first_row] = bf16(w's row r dequantized), for rows [first_row, first_row + rows)
-        of the FP8 LinearWeight w: a thread per 16 weights, as many blocks as are resident."""
-        threads, pieces = ROW_THREADS, rows * w.d_in // 16
+        of the FP8 or INT4 LinearWeight w: a thread per 16-byte piece of codes, as many
+        blocks as are resident."""
+        threads, pieces = ROW_THREADS, rows * w.d_in // GEMV_COLUMNS[w.format]
         blocks = max(1, min(-(-pieces // threads), 8 * self.sm_count))
-        self.functions["dequantize_fp8"].prepared_async_call(
+        self.functions[f"dequantize_{w.format}"].prepared_async_call(
             (blocks, 1), (threads, 1, 1), stream, ptr(out), ptr(w.data), ptr(w.scale), np.int32(w.scale_cols),
             np.int32(first_row), np.int32(rows), np.int32(w.d_in))
 

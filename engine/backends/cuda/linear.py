@@ -2,8 +2,8 @@
 
 A GEMM tile of one row takes our GEMV (gemv.cu), in the weight's format. A tile of 2 to
 32 rows of an FP8 weight takes our skinny GEMM (skinny_gemm.cu), which reads the codes
-once. Other tiles take cuBLAS in bfloat16: an FP8 weight is first dequantized to
-bfloat16 into a scratch buffer (dequantize_fp8), once per product whatever its tiles,
+once. Other tiles take cuBLAS in bfloat16: an FP8 or INT4 weight is first dequantized to
+bfloat16 into a scratch buffer (gemv.cu's dequantize_*), once per product whatever its tiles,
 in chunks of rows where it is larger than the buffer (the head). The skinny GEMM's
 limits are measured (bench/skinny_gemm.py): at 64 rows it is behind dequantizing and
 cuBLAS, and for bfloat16 weights behind cuBLAS at every row count, as yet.
@@ -21,22 +21,24 @@ import numpy as np
 from engine.backends.cuda.cublas import Cublas, DataType
 from engine.backends.cuda.kernels import Kernels, skinny_split
 
-BF16, FP8 = "bf16", "fp8"
-FORMATS = (BF16, FP8)
+BF16, FP8, INT4 = "bf16", "fp8", "int4"
+FORMATS = (BF16, FP8, INT4)
 SKINNY_TILES = {FP8: 32}  # the formats whose tiles of 2 rows to this many take the skinny GEMM
 
 
 @dataclass(frozen=True)
 class LinearWeight:
-    """A linear layer's weight on the GPU, [d_out, d_in] in `format`: bfloat16 bits, or
+    """A linear layer's weight on the GPU, [d_out, d_in] in `format`: bfloat16 bits;
     e4m3 codes with float32 scales (one per row, scale_cols 0; or one per 128 x 128
-    block, [ceil(d_out / 128), scale_cols])."""
+    block, [ceil(d_out / 128), scale_cols]); or INT4 codes, two a byte (column 2b in
+    byte b's low nibble), with a (scale, zero point) pair of float32 per group of
+    d_in / scale_cols columns, [d_out, scale_cols, 2] (cuda_src/weights.cuh)."""
 
     format: str
-    data: Any  # a GPUArray: bfloat16 bits, or uint8 e4m3 codes
+    data: Any  # a GPUArray: bfloat16 bits, uint8 e4m3 codes, or uint8 pairs of INT4 codes
     d_out: int
     d_in: int
-    scale: Any = None  # fp8: a GPUArray of float32
+    scale: Any = None  # fp8, int4: a GPUArray of float32
     scale_cols: int = 0
 
     @property
@@ -81,7 +83,7 @@ class Linear:
         chunk = min(w.d_out, self.scratch.nbytes // (2 * w.d_in))
         for first in range(0, w.d_out, chunk):
             n = min(chunk, w.d_out - first)
-            kernels.dequantize_fp8(self.stream, self.scratch, w, first, n)
+            kernels.dequantize(self.stream, self.scratch, w, first, n)
             for y_ptr, x_ptr, rows in gemm_tiles:  # (the chunk's columns of y, whose rows stay d_out wide)
                 self.blas.gemm(y_ptr + first * y.dtype.itemsize, y_type, x_ptr, DataType.BF16, int(self.scratch.gpudata),
                                DataType.BF16, rows, w.d_in, n, ldy=w.d_out)

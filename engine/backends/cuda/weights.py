@@ -3,9 +3,11 @@ gate/up fused as the architecture fuses them), norms and the embedding table as
 bfloat16 arrays, under the names the architecture's layer reads.
 
 FP8 matrices stay FP8 (e4m3 codes and float32 scales: per row, a per-tensor scale
-given to every row, or 128 x 128 blocks); other quantized formats (INT4, GGUF's
-blocks), and FP8 of another block size or of rows not a multiple of 16 wide, are
-uploaded dequantized to bfloat16. The embedding gather reads bfloat16, so a quantized
+given to every row, or 128 x 128 blocks), and INT4 ones INT4 (codes repacked two a
+byte, a scale and a zero point per group) where their groups are runs of columns a
+multiple of 32 wide; other quantized formats (GGUF's blocks), FP8 of another block
+size or of rows not a multiple of 16 wide, and INT4 in act-order (GPTQ's g_idx
+reordering the groups), are uploaded dequantized to bfloat16. The embedding gather reads bfloat16, so a quantized
 embedding is uploaded dequantized as well (its tied head stays FP8)."""
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import pycuda.gpuarray as gpuarray
 
-from engine.backends.cuda.linear import BF16, FP8, LinearWeight
+from engine.backends.cuda.linear import BF16, FP8, INT4, LinearWeight
 from engine.quantization.fp8 import Fp8Weight
+from engine.quantization.int4 import Int4Weight, groups_in_order
 from engine.weights import ModelWeights, Tensor
 
 FP8_BLOCK = (128, 128)  # the block scales gemv.cu reads
@@ -37,6 +40,27 @@ def fp8_linear(tensor: Fp8Weight) -> LinearWeight:
         scale = np.broadcast_to(scale.reshape(-1), (d_out,))
     return LinearWeight(FP8, gpuarray.to_gpu(np.ascontiguousarray(tensor.codes)), d_out, d_in,
                         gpuarray.to_gpu(np.ascontiguousarray(scale)), 0 if tensor.block is None else scale.shape[1])
+
+
+def int4_group_columns(tensor) -> int | None:
+    """The group size of an INT4 weight the GPU's kernels read as INT4 (groups in order,
+    each a multiple of 32 columns), else None."""
+    if not isinstance(tensor, Int4Weight):
+        return None
+    d_in, groups = tensor.shape[1], tensor.scale.shape[1]
+    size = d_in // groups
+    if d_in % groups or size % 32 or not np.array_equal(tensor.group, groups_in_order(d_in, size)):
+        return None
+    return size
+
+
+def int4_linear(tensor: Int4Weight) -> LinearWeight:
+    """An INT4 weight on the GPU as gemv.cu reads it (int4_group_columns must give its size)."""
+    d_out, d_in = tensor.shape
+    packed = (tensor.codes[:, 0::2] | tensor.codes[:, 1::2] << 4).astype(np.uint8)
+    params = np.stack([tensor.scale.astype(np.float32), tensor.zero.astype(np.float32)], axis=-1)
+    return LinearWeight(INT4, gpuarray.to_gpu(np.ascontiguousarray(packed)), d_out, d_in,
+                        gpuarray.to_gpu(np.ascontiguousarray(params)), tensor.scale.shape[1])
 
 
 @dataclass
@@ -64,7 +88,7 @@ class DeviceWeights:
     @staticmethod
     def upload(weights: ModelWeights) -> "DeviceWeights":
         uploaded: dict[int, gpuarray.GPUArray] = {}  # bfloat16 arrays (a tied head is the embedding's upload)
-        fp8: list[LinearWeight] = []
+        quantized: list[LinearWeight] = []
 
         def array(tensor: Tensor) -> gpuarray.GPUArray:
             if id(tensor) not in uploaded:
@@ -75,11 +99,14 @@ class DeviceWeights:
             if len(tensor.shape) == 1:
                 return array(tensor)
             if fp8_on_gpu(tensor):
-                fp8.append(fp8_linear(tensor))
-                return fp8[-1]
+                quantized.append(fp8_linear(tensor))
+                return quantized[-1]
+            if int4_group_columns(tensor):
+                quantized.append(int4_linear(tensor))
+                return quantized[-1]
             return LinearWeight(BF16, array(tensor), *tensor.shape)
 
         layers = [{name: upload(tensor) for name, tensor in layer.items()} for layer in weights.layers]
         embed, final_norm, lm_head = array(weights.embed), array(weights.final_norm), upload(weights.lm_head)
-        nbytes = sum(a.nbytes for a in uploaded.values()) + sum(w.nbytes for w in fp8)
+        nbytes = sum(a.nbytes for a in uploaded.values()) + sum(w.nbytes for w in quantized)
         return DeviceWeights(embed, final_norm, lm_head, layers, nbytes)
