@@ -49,7 +49,7 @@ def bytes_per_token(backend: CudaBackend) -> int:
 
 
 def end_to_end(model, name: str) -> tuple[dict, CudaBackend]:
-    backend = CudaBackend(model.config, model.model_weights())
+    backend = CudaBackend(model.config, model.model_weights(), int4_weights=True)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
     prompt = list(range(1000, 1128))
     ours(engine, prompt, 16)  # warm-up: kernels loaded, pool filled, graphs captured

@@ -61,6 +61,15 @@ class Int4Weight(QuantizedWeight):
         g = self.group
         return (self.codes.astype(np.float32) - self.zero[:, g]) * self.scale[:, g]
 
+    @staticmethod
+    def concatenate(parts: list["Int4Weight"]) -> "Int4Weight | None":
+        """The parts' rows as one weight (a fused projection), where their columns share
+        one grouping (as the projections of one checkpoint's layer do); None otherwise."""
+        if any(not np.array_equal(p.group, parts[0].group) for p in parts[1:]):
+            return None
+        return Int4Weight(np.concatenate([p.codes for p in parts]), np.concatenate([p.scale for p in parts]),
+                          np.concatenate([p.zero for p in parts]), parts[0].group)
+
 
 def groups_in_order(columns: int, group_size: int) -> np.ndarray:
     return (np.arange(columns) // group_size).astype(np.int32)

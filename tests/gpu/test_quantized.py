@@ -309,7 +309,7 @@ def test_quantized_model_matches_its_exact_model_as_bf16_does(llama_dir, tmp_pat
         model = int4_model(load_model(llama_dir), 128)
     else:
         model = fp8_model(load_model(llama_dir), (128, 128) if fmt == "fp8-blocks" else None, head=fmt.endswith("head"))
-    engine = LLMEngine(model, CudaBackend(model.config, model.model_weights()),
+    engine = LLMEngine(model, CudaBackend(model.config, model.model_weights(), int4_weights=True),
                        EngineConfig(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=4096))
     assert engine.backend.weights.lm_head.format == ("fp8" if fmt.endswith("head") else "bf16")
     assert {w.format for w in engine.backend.weights.layers[0].values() if hasattr(w, "format")} == {fmt[:4].rstrip("-")}

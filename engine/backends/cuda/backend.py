@@ -62,7 +62,7 @@ class CudaBackend:
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: int = 0, cuda_graphs: bool = True,
                  graph_max_batch: int = 256, graph_max_context: int = 4096, prompt_graphs: bool = True,
-                 batch_invariant: bool = False, kv_cache_dtype: str = "auto"):
+                 batch_invariant: bool = False, kv_cache_dtype: str = "auto", int4_weights: bool = False):
         if config.head_dim not in (64, 128) or config.num_heads // config.num_kv_heads > 8:
             raise ValueError("the CUDA attention kernels need head_dim 64 or 128 and at most 8 heads per KV head")
         if config.hidden_size % 8 or config.intermediate_size % 8:
@@ -88,9 +88,9 @@ class CudaBackend:
             self.pool = DeviceMemoryPool()
             self.workspace = cuda.mem_alloc(WORKSPACE_BYTES)
             self.blas = Cublas(self.stream.handle, int(self.workspace), WORKSPACE_BYTES)
-            self.weights = DeviceWeights.upload(weights)
+            self.weights = DeviceWeights.upload(weights, int4=int4_weights)  # (INT4 as INT4: weights.py)
             self.weight_bytes = self.weights.nbytes
-            # FP8 and INT4 matrices stay so (weights.py); other quantized ones are uploaded as bfloat16
+            # FP8 matrices stay FP8 (weights.py); other quantized ones are uploaded as bfloat16
             self.weight_dtype = " and ".join(sorted({FORMAT_NAMES[f] for f in self.weights.formats}))
             scratch = self.weights.scratch_bytes
             self.linear = Linear(self.blas, self.stream, gpuarray.empty(scratch // 2, np.uint16) if scratch else None)

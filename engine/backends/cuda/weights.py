@@ -3,11 +3,14 @@ gate/up fused as the architecture fuses them), norms and the embedding table as
 bfloat16 arrays, under the names the architecture's layer reads.
 
 FP8 matrices stay FP8 (e4m3 codes and float32 scales: per row, a per-tensor scale
-given to every row, or 128 x 128 blocks), and INT4 ones INT4 (codes repacked two a
-byte, a scale and a zero point per group) where their groups are runs of columns a
-multiple of 32 wide; other quantized formats (GGUF's blocks), FP8 of another block
-size or of rows not a multiple of 16 wide, and INT4 in act-order (GPTQ's g_idx
-reordering the groups), are uploaded dequantized to bfloat16. The embedding gather reads bfloat16, so a quantized
+given to every row, or 128 x 128 blocks). Other quantized formats (INT4, GGUF's
+blocks), and FP8 of another block size or of rows not a multiple of 16 wide, are
+uploaded dequantized to bfloat16. With `int4`, INT4 matrices stay INT4 (codes
+repacked two a byte, a scale and a zero point per group) where their groups are runs
+of columns a multiple of 32 wide (not act-order's): the INT4 kernels are not yet
+ahead of bfloat16 (a batch-1 token took as long, a prompt longer, and a step of more
+rows dequantizes every matrix: bench/RESULTS.md), so only the benchmarks and tests
+ask for them. The embedding gather reads bfloat16, so a quantized
 embedding is uploaded dequantized as well (its tied head stays FP8)."""
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class DeviceWeights:
         return min(max(sizes, default=0), SCRATCH_BYTES)
 
     @staticmethod
-    def upload(weights: ModelWeights) -> "DeviceWeights":
+    def upload(weights: ModelWeights, int4: bool = False) -> "DeviceWeights":
         uploaded: dict[int, gpuarray.GPUArray] = {}  # bfloat16 arrays (a tied head is the embedding's upload)
         quantized: list[LinearWeight] = []
 
@@ -101,7 +104,7 @@ class DeviceWeights:
             if fp8_on_gpu(tensor):
                 quantized.append(fp8_linear(tensor))
                 return quantized[-1]
-            if int4_group_columns(tensor):
+            if int4 and int4_group_columns(tensor):
                 quantized.append(int4_linear(tensor))
                 return quantized[-1]
             return LinearWeight(BF16, array(tensor), *tensor.shape)
