@@ -2,6 +2,7 @@
 // Storage is bfloat16; arithmetic is float32.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 typedef __nv_bfloat16 bf16;
@@ -109,6 +110,18 @@ __device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// A word's low two e4m3 codes (the lower byte first) as float32, exactly: the
+// hardware's pairwise conversion.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t codes) {
+    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes & 0xFFFF), __NV_E4M3)));
+}
+
+// The same as a word of two bfloat16 (exact: e4m3's 3 mantissa bits fit bfloat16's 7).
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t codes) {
+    const float2 f = e4m3x2_to_float2(codes);
+    return pack_bf16(f.x, f.y);
 }
 
 // 16 bytes from global to shared memory without passing through registers (cp.async,

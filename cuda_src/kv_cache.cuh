@@ -3,8 +3,6 @@
 // (--kv-cache-dtype fp8), an e4m3 code with a scale of 1, half the bytes. Either way
 // the attention kernels compute on bfloat16: an e4m3 value widens to bfloat16 exactly.
 #pragma once
-#include <cuda_fp8.h>
-
 #include "common.cuh"
 
 #ifdef KV_CACHE_FP8
@@ -23,10 +21,8 @@ __device__ __forceinline__ kv_t to_kv(float x) {
 
 // 4 codes (one word) as two words of bfloat16 pairs, codes 0, 1 in lo and 2, 3 in hi.
 __device__ __forceinline__ void widen_e4m3x4(uint32_t codes, uint32_t& lo, uint32_t& hi) {
-    const __half2 a(__nv_cvt_fp8x2_to_halfraw2(codes & 0xFFFF, __NV_E4M3));
-    const __half2 b(__nv_cvt_fp8x2_to_halfraw2(codes >> 16, __NV_E4M3));
-    lo = pack_bf16(__low2float(a), __high2float(a));
-    hi = pack_bf16(__low2float(b), __high2float(b));
+    lo = e4m3x2_to_bf16x2(codes);
+    hi = e4m3x2_to_bf16x2(codes >> 16);
 }
 
 // `words` words of bfloat16 pairs (2 * words values) from the cache at src (aligned to

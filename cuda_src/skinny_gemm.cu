@@ -51,13 +51,6 @@ __device__ __forceinline__ int x_stride(int width) {
     return width + ((SKINNY_X_OFFSET<W> - 2 * width) % 128 + 128) % 128 / 2;
 }
 
-// A word's low two e4m3 codes as a word of two bfloat16.
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t codes) {
-    const float2 f =
-        __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes & 0xFFFF), __NV_E4M3)));
-    return pack_bf16(f.x, f.y);
-}
-
 // A lane's 16-byte load of C weights as C / 2 words of bfloat16 pairs, in column order.
 template <WeightFormat W>
 __device__ __forceinline__ void weight_words(const uint4& raw, uint32_t* words) {

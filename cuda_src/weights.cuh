@@ -2,8 +2,6 @@
 // bfloat16, as FP8 e4m3 codes with float32 scales, or as INT4 codes with a scale and a
 // zero point per group of columns (gemv.cu only).
 #pragma once
-#include <cuda_fp8.h>
-
 #include "common.cuh"
 
 #define FP8_BLOCK 128  // rows and columns of a block scale
@@ -31,8 +29,7 @@ __device__ __forceinline__ void unpack_e4m3x8(uint32_t lo, uint32_t hi, float* o
     const uint32_t words[2] = {lo, hi};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        const __nv_fp8x2_storage_t pair = (words[i / 2] >> (16 * (i % 2))) & 0xFFFF;
-        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+        const float2 f = e4m3x2_to_float2(words[i / 2] >> (16 * (i % 2)));
         out[2 * i] = f.x;
         out[2 * i + 1] = f.y;
     }

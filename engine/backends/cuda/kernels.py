@@ -107,6 +107,7 @@ def gemv_row_lanes(d_in: int, format: str = "bf16") -> int:
     return lanes
 
 
+@functools.cache  # (asked at every launch: a step's host time)
 def gemv_rows_per_block(d_in: int, format: str = "bf16") -> int:
     """Output rows a gemv.cu block computes at once: a row per group of gemv_split warps,
     or 32 / gemv_row_lanes a warp for rows narrower than a warp."""
