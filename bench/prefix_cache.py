@@ -118,10 +118,11 @@ def floor_seconds(run: Run, output: int, params: int, weight_bytes: int, flops: 
 def cached_first_token(engine: LLMEngine, w: Workload, vocab: int, rng, new_tokens: int = 64) -> str:
     """One request alone whose system prompt is cached, plus `new_tokens` of its own:
     its time to first token (median of 15, after 5), and the wall and GPU time of the
-    one step that computes it (GPU time on CUDA only)."""
+    one step that computes it (GPU time on CUDA only: from the step's start, so the
+    host's work before the launch included, and of its CUDA graph's replay alone)."""
     system = rng.integers(0, vocab, w.system).tolist()
     run_requests(engine, [system + [1]], 1)  # caches it
-    ttft, walls, gpus = [], [], []
+    ttft, walls, gpus, replays = [], [], [], []
     for _ in range(20):
         ttft.append(run_requests(engine, [system + rng.integers(0, vocab, new_tokens).tolist()], 1)[0].ttft_ms[0])
         engine.add(engine.make_sequence("step", system + rng.integers(0, vocab, new_tokens).tolist(),
@@ -131,6 +132,7 @@ def cached_first_token(engine: LLMEngine, w: Workload, vocab: int, rng, new_toke
 
             wall, gpu = timed_step(engine, engine.backend)
             gpus.append(gpu)
+            replays.append(graph_replay_ms(engine.backend, new_tokens))
         else:
             start = time.perf_counter()
             engine.step()
@@ -139,8 +141,24 @@ def cached_first_token(engine: LLMEngine, w: Workload, vocab: int, rng, new_toke
         while engine.has_work():
             engine.step()
     gpu = f", GPU {statistics.median(gpus[5:]):.2f} ms" if gpus else ""
+    if any(r is not None for r in replays):
+        gpu += f" (its graph's replay alone {statistics.median(replays[5:]):.2f} ms)"
     return (f"time to first token {statistics.median(ttft[5:]):.2f} ms; its step alone: wall "
             f"{statistics.median(walls[5:]):.2f} ms{gpu}")
+
+
+def graph_replay_ms(backend, tokens: int) -> float | None:
+    """GPU milliseconds of replaying the prompt graph that a step of `tokens` new tokens
+    ran (its buffers still hold that step: the replay computes it again), or None where
+    there is none."""
+    graphs = getattr(backend, "graphs", None)
+    bucket = next((b for b in graphs.prompt_buckets if b >= tokens), None) if graphs else None
+    if bucket is None:
+        return None
+    from bench.profile_step import gpu_ms
+
+    with backend._context():
+        return gpu_ms(backend.stream, graphs.graphs["prompt", bucket][2].launch)
 
 
 def new_tokens_floor_ms(tokens: int, params: int, weight_bytes: int, flops: float, bandwidth: float) -> float:

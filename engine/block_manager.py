@@ -21,19 +21,26 @@ requests to where their prefix is cached (server/kv_events.py publishes them).
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from engine.sequence import NO_BLOCKS, Sequence
 
 
-def block_hash(previous: int, tokens: list[int]) -> int:
-    """The hash of a full block given its predecessor's (0 for the first block)."""
-    data = previous.to_bytes(8, "little") + np.asarray(tokens, np.int64).tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+TOKEN_BYTES = 8
+
+
+def token_bytes(tokens: list[int]) -> bytes:
+    """Token ids as a block's hash and the prefix cache's comparison read them: int64, little-endian."""
+    return np.asarray(tokens, "<i8").tobytes()
+
+
+def block_hash(previous: int, data: bytes) -> int:
+    """The hash of a full block (its token_bytes) given its predecessor's (0 for the first block)."""
+    return xxhash.xxh3_64_intdigest(data, seed=previous)
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced: least recently used first
         self._refs = [0] * num_blocks
         self._by_hash: dict[int, int] = {}  # hash -> the block that holds it
-        self._hash_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (its hash, its tokens)
+        self._hash_of: dict[int, tuple[int, bytes]] = {}  # block -> (its hash, its token_bytes)
         self.stats = PrefixCacheStats()
         self.events: list[KvEvent] | None = [] if record_events else None  # since take_events()
 
@@ -134,13 +141,19 @@ class BlockManager:
                 self.events.append(BlocksRemoved([h]))
 
     # -- the prefix cache -----------------------------------------------------------
-    def _known_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+    def _known_hashes(self, seq: Sequence, num_blocks: int, data: bytes | None = None) -> list[int]:
         """The hashes of `seq`'s first `num_blocks` full blocks of known tokens (kept on
-        the sequence, which never changes a known token)."""
-        hashes, bs = seq.block_hashes, self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else 0, seq.tokens(i * bs, (i + 1) * bs)))
+        the sequence, which never changes a known token); `data`, where given, is the
+        token_bytes of those blocks."""
+        hashes, bs, size = seq.block_hashes, self.block_size, self.block_size * TOKEN_BYTES
+        first = len(hashes)
+        if first < num_blocks:
+            if data is None:
+                view = memoryview(token_bytes(seq.tokens(first * bs, num_blocks * bs)))
+            else:
+                view = memoryview(data)[first * size :]
+            for i in range(num_blocks - first):
+                hashes.append(block_hash(hashes[-1] if hashes else 0, view[i * size : (i + 1) * size]))
         return hashes[:num_blocks]
 
     def claim_cached_prefix(self, seq: Sequence) -> int:
@@ -152,11 +165,12 @@ class BlockManager:
             return 0
         known = len(seq.prompt_ids) + len(seq.output_ids)
         eligible = min(known, seq.num_tokens - 1) // self.block_size
+        size = self.block_size * TOKEN_BYTES
+        data = token_bytes(seq.tokens(0, eligible * self.block_size))
         blocks = []
-        for i, h in enumerate(self._known_hashes(seq, eligible)):
+        for i, h in enumerate(self._known_hashes(seq, eligible, data)):
             block = self._by_hash.get(h)
-            tokens = seq.tokens(i * self.block_size, (i + 1) * self.block_size)
-            if block is None or self._hash_of[block][1] != tuple(tokens):
+            if block is None or self._hash_of[block][1] != data[i * size : (i + 1) * size]:
                 break
             blocks.append(block)
         for block in blocks:
@@ -193,7 +207,7 @@ class BlockManager:
             block, h = int(seq.block_table[i]), hashes[i]
             if block not in self._hash_of and h not in self._by_hash:  # (another block may hold it already)
                 self._by_hash[h] = block
-                self._hash_of[block] = (h, tuple(seq.tokens(i * bs, (i + 1) * bs)))
+                self._hash_of[block] = (h, token_bytes(seq.tokens(i * bs, (i + 1) * bs)))
                 stored.append(i)
         seq.num_registered_blocks = full
         if self.events is not None:

@@ -72,8 +72,8 @@ class EngineInfo:
         params.validate(vocab)
         if not prompt_ids:
             raise InvalidRequest("the input is empty: send a non-empty prompt, chat or token_ids")
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # (builtins: a long prompt's check stays short)
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise InvalidRequest(f"token_ids: {bad} is outside the vocabulary [0, {vocab})")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:

@@ -21,7 +21,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine import block_manager
-from engine.block_manager import BlockManager, BlocksRemoved
+from engine.block_manager import BlockManager, BlocksRemoved, token_bytes
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -104,8 +104,8 @@ class SchedulingMachine(RuleBasedStateMachine):
             previous = event.parent_hash
             for i, h in enumerate(event.block_hashes):
                 tokens = event.token_ids[4 * i : 4 * (i + 1)]
-                assert block_manager.block_hash(previous or 0, tokens) == h and h not in self.mirror
-                self.mirror[h], previous = tuple(tokens), h
+                assert block_manager.block_hash(previous or 0, token_bytes(tokens)) == h and h not in self.mirror
+                self.mirror[h], previous = token_bytes(tokens), h
         assert self.mirror == {h: self.bm._hash_of[b][1] for h, b in self.bm._by_hash.items()}
 
     @invariant()

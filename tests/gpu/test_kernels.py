@@ -20,7 +20,7 @@ import pycuda.gpuarray as gpuarray  # noqa: E402
 from engine.backends import numpy_backend as ref  # noqa: E402
 from engine.backends.cuda.cublas import Cublas, DataType  # noqa: E402
 from engine.backends.cuda.kernels import Kernels, PagedAttention, prefill_query_rows, skinny_splits  # noqa: E402
-from engine.backends.cuda.step_metadata import PARTITION, SMALL_DECODE_PARTITION  # noqa: E402
+from engine.backends.cuda.step_metadata import PARTITION, SHORT_PARTITION  # noqa: E402
 from engine.quantization.fp8 import E4M3, e4m3_to_f32, f32_to_e4m3  # noqa: E402
 from engine.sampler import apply_penalties  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -191,7 +191,7 @@ def test_fp8_cache_holds_the_bfloat16_cache_rounded_as_the_numpy_backend_rounds(
 @pytest.mark.parametrize("kernel", ["decode merging itself", "decode", "prefill"])
 @pytest.mark.parametrize("heads, kv_heads, D", [(32, 8, 64), (9, 3, 64), (24, 8, 128)])  # Llama 3.2 1B, SmolLM2, 3B
 @pytest.mark.parametrize("block_size", [16, 5])
-@pytest.mark.parametrize("partition", [PARTITION, SMALL_DECODE_PARTITION])
+@pytest.mark.parametrize("partition", [PARTITION, SHORT_PARTITION])
 @pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16 cache", "fp8 cache"])
 def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, partition, kv_fp8):
     """Decode tokens and prefill chunks of several sequences in one launch, over

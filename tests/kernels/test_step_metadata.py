@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.backends.cuda.step_metadata import (
-    FIELDS, GENERATED_TILE, PARTITION, PROMPT_TILE, SMALL_DECODE, SMALL_DECODE_PARTITION, StepShape, attention_partition,
+    FIELDS, GENERATED_TILE, PARTITION, PROMPT_TILE, SHORT_PARTITION, SMALL_DECODE, SMALL_PROMPT, SMALL_PROMPT_CONTEXT,
+    StepShape, attention_partition,
     build_metadata, decode_shape, field_sizes, prompt_shape, step_shape,
 )
 from engine.sampling_params import SamplingParams
@@ -140,15 +141,23 @@ def test_attention_partitions_cover_the_longest_context(batch, invariant):
     assert (shape.partitions - 1) * shape.partition < longest <= shape.partitions * shape.partition
 
 
-def test_few_decodes_take_short_partitions_unless_invariant():
+def test_steps_bound_by_latency_take_short_partitions_unless_invariant():
     """More blocks for a decode step of a few tokens (whose decode kernel merges them
-    itself); one size where a token's sums must not depend on its batch, and for
-    steps with prompt tokens."""
-    assert attention_partition(1, 0, invariant=False) == attention_partition(SMALL_DECODE, 0, False) == SMALL_DECODE_PARTITION
-    assert attention_partition(SMALL_DECODE + 1, 0, invariant=False) == PARTITION
-    assert attention_partition(1, 5, invariant=False) == PARTITION
-    assert attention_partition(1, 0, invariant=True) == PARTITION
+    itself) and for a short prompt step in a short context (a prompt's tail past a
+    cached prefix); one size where a token's sums must not depend on its batch, and for
+    the other steps."""
+    assert attention_partition(1, 0, 100, invariant=False) == attention_partition(SMALL_DECODE, 0, 100, False) == SHORT_PARTITION
+    assert attention_partition(SMALL_DECODE + 1, 0, 100, invariant=False) == PARTITION
+    assert attention_partition(1, 0, 100, invariant=True) == PARTITION
+    assert attention_partition(0, SMALL_PROMPT, SMALL_PROMPT_CONTEXT, invariant=False) == SHORT_PARTITION
+    assert attention_partition(0, SMALL_PROMPT + 1, 100, invariant=False) == PARTITION
+    assert attention_partition(0, 5, SMALL_PROMPT_CONTEXT + 1, invariant=False) == PARTITION
+    assert attention_partition(1, 5, 100, invariant=False) == PARTITION  # (a mixed step)
+    assert attention_partition(0, 5, 100, invariant=True) == PARTITION
     graph = decode_shape(1, max_blocks=256, max_context=4096, invariant=False)
-    assert (graph.partition, graph.partitions) == (SMALL_DECODE_PARTITION, 4096 // SMALL_DECODE_PARTITION)
+    assert (graph.partition, graph.partitions) == (SHORT_PARTITION, 4096 // SHORT_PARTITION)
     assert graph.small_decode and not decode_shape(SMALL_DECODE + 1, 256, 4096, False).small_decode
     assert not decode_shape(1, 256, 4096, invariant=True).small_decode
+    tail = prompt_shape(SMALL_PROMPT, max_blocks=256, max_context=4096, query_rows=QUERY_ROWS, invariant=False)
+    assert (tail.partition, tail.partitions, tail.small_decode) == (SHORT_PARTITION, 4096 // SHORT_PARTITION, False)
+    assert prompt_shape(2 * SMALL_PROMPT, 256, 4096, QUERY_ROWS, invariant=False).partition == PARTITION

@@ -32,7 +32,11 @@ from engine.sequence import Sequence
 GENERATED_TILE = 64  # at 64 rows a bf16 GEMM is still bound by reading the weights
 PROMPT_TILE = 256
 PARTITION = 512  # context positions per attention partition (a thread block of the attention kernels each)
-SMALL_DECODE, SMALL_DECODE_PARTITION = 8, 128  # decode steps of up to 8 tokens: 4 times the blocks
+SHORT_PARTITION = 128  # the partitions of steps bound by latency: 4 times the blocks
+SMALL_DECODE = 8  # decode steps of up to this many tokens take short partitions
+# So do prompt steps of up to SMALL_PROMPT tokens (a prompt's tail past a cached prefix)
+# in contexts of up to SMALL_PROMPT_CONTEXT (their partial results' buffer stays small).
+SMALL_PROMPT, SMALL_PROMPT_CONTEXT = 64, 4096
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class StepShape:
     samples: int  # rows that reach the head (the last token of each finishing sequence)
     seqs: int  # block-table rows
     max_blocks: int  # block-table width
+    partition: int  # context positions per attention partition (attention_partition)
     partitions: int  # attention partitions of the longest context
     invariant: bool  # GEMMs in fixed tiles (batch invariance), not one over all rows
 
@@ -51,11 +56,6 @@ class StepShape:
     def small_decode(self) -> bool:
         """A decode step of a few tokens (is_small_decode)."""
         return is_small_decode(self.generated, self.prompt, self.invariant)
-
-    @property
-    def partition(self) -> int:
-        """Context positions per attention partition (attention_partition)."""
-        return attention_partition(self.generated, self.prompt, self.invariant)
 
     @property
     def tokens(self) -> int:
@@ -112,23 +112,29 @@ def _prompt_counts(starts: np.ndarray, counts: np.ndarray, prompt_lens: np.ndarr
 
 def is_small_decode(generated: int, prompt: int, invariant: bool) -> bool:
     """Whether a step is a decode step of a few tokens, bound by latency: its attention
-    takes shorter partitions, so that it spreads over more thread blocks, each with a
-    shorter chain of loads (bench/decode_attention.py), and the decode kernel merges
-    them itself, which saves the merge kernel's launch (attention.cu). With batch
-    invariance no step is, since a token's sums depend on its partitions."""
+    takes short partitions (attention_partition), and the decode kernel merges them
+    itself, which saves the merge kernel's launch (attention.cu)."""
     return not invariant and not prompt and generated <= SMALL_DECODE
 
 
-def attention_partition(generated: int, prompt: int, invariant: bool) -> int:
-    """Context positions per attention partition (is_small_decode)."""
-    return SMALL_DECODE_PARTITION if is_small_decode(generated, prompt, invariant) else PARTITION
+def attention_partition(generated: int, prompt: int, context: int, invariant: bool) -> int:
+    """Context positions per attention partition of a step whose longest context is
+    `context`. A step bound by latency (a small decode, or a short prompt step in a
+    short context) takes short ones, so that its attention spreads over more thread
+    blocks, each with a shorter chain of loads (bench/decode_attention.py). With batch
+    invariance every step takes the same size, since a token's sums depend on its
+    partitions."""
+    small_prompt = not generated and prompt <= SMALL_PROMPT and context <= SMALL_PROMPT_CONTEXT
+    if not invariant and (is_small_decode(generated, prompt, invariant) or small_prompt):
+        return SHORT_PARTITION
+    return PARTITION
 
 
 def step_shape(batch: list[ScheduledSeq], query_rows: int, invariant: bool) -> StepShape:
     starts, counts, prompt_lens = _columns(batch)
     prompt = _prompt_counts(starts, counts, prompt_lens)
-    generated = int(counts.sum() - prompt.sum())
-    partition = attention_partition(generated, int(prompt.sum()), invariant)
+    generated, longest = int(counts.sum() - prompt.sum()), int((starts + counts).max())
+    partition = attention_partition(generated, int(prompt.sum()), longest, invariant)
     return StepShape(
         generated=generated,
         generated_rows=_round_up(generated, GENERATED_TILE if invariant else 1),
@@ -137,7 +143,8 @@ def step_shape(batch: list[ScheduledSeq], query_rows: int, invariant: bool) -> S
         samples=sum(s.samples for s in batch),
         seqs=len(batch),
         max_blocks=max(len(s.seq.block_table) for s in batch),
-        partitions=math.ceil(int((starts + counts).max()) / partition),
+        partition=partition,
+        partitions=math.ceil(longest / partition),
         invariant=invariant,
     )
 
@@ -145,10 +152,10 @@ def step_shape(batch: list[ScheduledSeq], query_rows: int, invariant: bool) -> S
 def decode_shape(batch_size: int, max_blocks: int, max_context: int, invariant: bool) -> StepShape:
     """The shape of a CUDA graph's decode step: `batch_size` sampling decodes of
     contexts up to `max_context`."""
-    partition = attention_partition(batch_size, 0, invariant)
+    partition = attention_partition(batch_size, 0, max_context, invariant)
     return StepShape(generated=batch_size, generated_rows=_round_up(batch_size, GENERATED_TILE if invariant else 1),
                      prompt=0, prompt_tiles=0, samples=batch_size, seqs=batch_size, max_blocks=max_blocks,
-                     partitions=math.ceil(max_context / partition), invariant=invariant)
+                     partition=partition, partitions=math.ceil(max_context / partition), invariant=invariant)
 
 
 def prompt_shape(tokens: int, max_blocks: int, max_context: int, query_rows: int, invariant: bool) -> StepShape:
@@ -156,8 +163,10 @@ def prompt_shape(tokens: int, max_blocks: int, max_context: int, query_rows: int
     prompt tokens, past a computed (or cached) prefix, in a context of up to
     `max_context`. Its padding rows are the prompt of a second, dummy sequence, in query
     tiles of their own (one tile more than the bucket needs, so that they always fit)."""
+    partition = attention_partition(0, tokens, max_context, invariant)
     return StepShape(generated=0, generated_rows=0, prompt=tokens, prompt_tiles=-(-tokens // query_rows) + 1, samples=1,
-                     seqs=2, max_blocks=max_blocks, partitions=math.ceil(max_context / PARTITION), invariant=invariant)
+                     seqs=2, max_blocks=max_blocks, partition=partition, partitions=math.ceil(max_context / partition),
+                     invariant=invariant)
 
 
 def _input_ids(s: ScheduledSeq, previous_samples: dict[Sequence, int] | None) -> list[int]:
