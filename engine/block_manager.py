@@ -6,8 +6,8 @@ Token i of a sequence lives in block `block_table[i // block_size]`, at offset
 when it grows, so that every step's metadata reads it without converting Python ints.
 
 A full block whose keys and values are computed is identified by a hash of (the
-previous block's hash, its token ids): xxh3 of the ids, seeded with that hash: equal hashes mean equal prefixes, and the token
-ids are compared on a hit, against collisions. Such a block can be in several block
+previous block's hash, its token ids), xxh3 of the ids seeded with that hash: equal
+hashes mean equal prefixes, and the token ids are compared on a hit, against collisions. Such a block can be in several block
 tables (a reference count says how many). When the last one lets go it keeps its
 contents, in an evictable pool that new allocations take from, least recently used
 first, once the free blocks run out; until then a later request with the same prefix
