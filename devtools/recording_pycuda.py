@@ -212,7 +212,7 @@ def recording_pycuda() -> Iterator[list[Launch]]:
     sys.modules.update(_modules(_Memory(), launches))
     try:
         library = _Library(launches)
-        importlib.import_module("engine.backends.cuda.cublas").load_cublas = lambda: library
+        importlib.import_module("engine.backends.cuda.cublas").load_cublas = lambda name="cublas": library
         importlib.import_module("engine.backends.cuda.graph")._driver = lambda: library
         yield launches
     finally:

@@ -37,29 +37,30 @@ class CublasError(RuntimeError):
     pass
 
 
-def _candidates() -> list[str]:
-    """Where libcublas may be, in the order searched."""
+def _candidates(library: str) -> list[str]:
+    """Where lib`library` (cublas or cublasLt) may be, in the order searched."""
     places = []
     for home in filter(None, (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda")):
-        places += sorted(glob.glob(f"{home}/lib64/libcublas.so*")) or [f"{home}/lib64/libcublas.so"]
-    found = ctypes.util.find_library("cublas")
-    places.append(found or "libcublas.so (the loader path)")
+        places += sorted(glob.glob(f"{home}/lib64/lib{library}.so*")) or [f"{home}/lib64/lib{library}.so"]
+    found = ctypes.util.find_library(library)
+    places.append(found or f"lib{library}.so (the loader path)")
     for site in sys.path:  # the nvidia-cublas wheel
         for sub in ("nvidia/cublas/lib", "nvidia/cu13/lib", "nvidia/cu12/lib"):
-            places += sorted(glob.glob(str(Path(site) / sub / "libcublas.so*")))
+            places += sorted(glob.glob(str(Path(site) / sub / f"lib{library}.so*")))
     return places
 
 
-def load_cublas() -> ctypes.CDLL:
+def load_cublas(library: str = "cublas") -> ctypes.CDLL:
+    """libcublas, or its sibling libcublasLt (library="cublasLt")."""
     tried = []
-    for place in _candidates():
-        name = "libcublas.so" if place.endswith("(the loader path)") else place
+    for place in _candidates(library):
+        name = f"lib{library}.so" if place.endswith("(the loader path)") else place
         try:
             return ctypes.PyDLL(name)
         except OSError as e:
             tried.append(f"{place}: {e}")
     raise CublasError(
-        "cuBLAS (libcublas.so) was not found. Searched:\n  " + "\n  ".join(tried)
+        f"cuBLAS (lib{library}.so) was not found. Searched:\n  " + "\n  ".join(tried)
         + "\nSet CUDA_HOME to your CUDA toolkit, add its lib64 to LD_LIBRARY_PATH, or pip install nvidia-cublas."
     )
 
