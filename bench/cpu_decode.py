@@ -162,10 +162,15 @@ def llama_cpp(python: str | None, path: Path, prompts: list[list[int]], new_toke
     command = [python, str(ROOT / "bench" / "llama_cpp_decode.py"), str(path), "--threads", str(threads),
                "--new-tokens", str(new_tokens), "--repeats", str(repeats)]
     run = subprocess.run(command, input=json.dumps(prompts), capture_output=True, text=True)
+    crashed = ""
+    if run.returncode < 0:  # killed by a signal: on a CPU with AMX, its AMX buffers have crashed (SIGSEGV)
+        crashed = (f"crashed (signal {-run.returncode}) with its extra buffer types (AMX tiles, repacked blocks) on "
+                   "this CPU, so measured without them (--no-extra-buffers); ")
+        run = subprocess.run(command + ["--no-extra-buffers"], input=json.dumps(prompts), capture_output=True, text=True)
     if run.returncode != 0:
-        return None, f"bench/llama_cpp_decode.py failed ({run.returncode}): {run.stderr.strip()[-2000:]}"
+        return None, f"{crashed}bench/llama_cpp_decode.py failed ({run.returncode}): {run.stderr.strip()[-2000:]}"
     result = json.loads(run.stdout)
-    return result["tokens_per_s"], f"llama-cpp-python {result['version']}: {result['system_info']}"
+    return result["tokens_per_s"], f"{crashed}llama-cpp-python {result['version']}: {result['system_info']}"
 
 
 def default_llama_cpp_python() -> str | None:

@@ -4,7 +4,8 @@ together as in llama.cpp's own batched tools). bench/cpu_decode.py runs it in th
 interpreter where llama-cpp-python is built (`make bench-cpu`: .venv-bench), a process
 of its own, so that neither engine's threads or memory weigh on the other's figures:
 
-    python bench/llama_cpp_decode.py MODEL.gguf --threads 2 [--new-tokens 128] [--repeats 1] < prompts.json
+    python bench/llama_cpp_decode.py MODEL.gguf --threads 2 [--new-tokens 128] [--repeats 1]
+                                     [--no-extra-buffers] < prompts.json
 
 stdin holds the prompts' token ids (a JSON list of lists, one sequence each); stdout
 gets one JSON object: tokens/s, the same way as bench/cpu_decode.py counts them (every
@@ -28,9 +29,11 @@ WARMUP_TOKENS = 4
 class Decoder:
     """A llama.cpp context for `prompts`, each its own sequence, and a greedy sampler."""
 
-    def __init__(self, path: str, prompts: list[list[int]], new_tokens: int, threads: int):
+    def __init__(self, path: str, prompts: list[list[int]], new_tokens: int, threads: int, extra_buffers: bool = True):
         lc.llama_backend_init()
-        self.model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+        model_params = lc.llama_model_default_params()
+        model_params.use_extra_bufts = extra_buffers  # (its weights repacked for AMX tiles or interleaved CPU blocks)
+        self.model = lc.llama_model_load_from_file(path.encode(), model_params)
         if not self.model:
             raise SystemExit(f"llama.cpp could not load {path} (its log, above, says why)")
         params = lc.llama_context_default_params()
@@ -86,9 +89,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--no-extra-buffers", dest="extra_buffers", action="store_false",
+                    help="keep the weights as the file stores them (no AMX or repacked CPU buffers)")
     args = ap.parse_args()
     prompts = json.load(sys.stdin)
-    decoder = Decoder(args.model, prompts, args.new_tokens, args.threads)
+    decoder = Decoder(args.model, prompts, args.new_tokens, args.threads, args.extra_buffers)
     decoder.run(WARMUP_TOKENS)
     seconds = min(decoder.run(args.new_tokens) for _ in range(args.repeats))
     print(json.dumps({
