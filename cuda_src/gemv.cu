@@ -216,14 +216,17 @@ __device__ __forceinline__ float group_sum(float acc, float* slice_sums, int war
 
 // A warp's lanes take 32 / lanes output rows at once, `lanes` lanes a row: a whole warp
 // would leave half its loads unused on an FP8 row of 2048 columns (128 of its 16-byte
-// pieces), so half a warp takes an FP8 row of up to 2048 columns, and an INT4 row as
-// few lanes (8 at least) as its UNROLL loads cover (mirrored by
+// pieces), so half a warp takes an FP8 row of up to 2048 columns (mirrored by
 // kernels.gemv_rows_per_block). (FP8 batch-1 steps took 0.871 ms before and after,
 // bench/RESULTS.md: at this size a GEMV's time is more its start and end than its loads.)
+// An INT4 row takes a whole warp, as a bfloat16 one: with 8 lanes a row (as few as
+// covered 2048 columns with their UNROLL loads) a lane unpacked 256 codes in a chain and
+// a 2048 x 2048 matrix filled 64 blocks, half the SMs; it took 6.9 µs against
+// bfloat16's 5.0 (bench/RESULTS.md, cf033b8).
 template <WeightFormat W>
 __device__ __forceinline__ int row_lanes(int d_in) {
     if constexpr (W == W_BF16) return 32;
-    constexpr int fewest = W == W_FP8 ? 16 : 8;
+    constexpr int fewest = W == W_FP8 ? 16 : 32;
     int lanes = 32;
     while (lanes > fewest && d_in <= lanes / 2 * COLS<W> * UNROLL) lanes /= 2;
     return lanes;

@@ -83,7 +83,7 @@ def kernels(cuda_context):
 @pytest.mark.parametrize("scales", QUANTIZERS)
 @pytest.mark.parametrize("d_in, d_out, out_f32", [(2048, 3072, False), (8192, 2048, False), (2048, 16384, False),
                                                   (2048, 128256, True), (576, 1002, False), (16384, 24, True),
-                                                  (4112, 40, False), (4096, 40, False)])  # (rows over 8 to 32 lanes, 1 to 4 warps; ragged)
+                                                  (4112, 40, False), (4096, 40, False)])  # (rows over 16 or 32 lanes, 1 to 4 warps; ragged)
 def test_gemv_quantized_matches_numpy_on_any_grid(kernels, scales, d_in, d_out, out_f32):
     x = RNG.standard_normal(d_in).astype(np.float32)
     q = quantized_weight(d_out, d_in, scales)

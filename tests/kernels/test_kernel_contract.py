@@ -85,10 +85,10 @@ def test_gemv_split(d_in, split):
 
 @pytest.mark.parametrize("d_in, format, lanes, rows", [
     (2048, "bf16", 32, 8), (8192, "bf16", 32, 2), (576, "fp8", 16, 16), (2048, "fp8", 16, 16), (8192, "fp8", 32, 4),
-    (576, "int4", 8, 32), (2048, "int4", 8, 32), (4096, "int4", 16, 16), (8192, "int4", 32, 8), (16384, "int4", 32, 4)])
+    (576, "int4", 32, 8), (2048, "int4", 32, 8), (4096, "int4", 32, 8), (8192, "int4", 32, 8), (16384, "int4", 32, 4)])
 def test_gemv_row_lanes(d_in, format, lanes, rows):
-    """A quantized row narrower than a warp's UNROLL loads takes fewer lanes: half a warp
-    for FP8 rows up to 2,048 columns, a quarter for INT4 rows up to 2,048."""
+    """An FP8 row narrower than a warp's UNROLL loads takes half a warp (rows up to 2,048
+    columns); bfloat16 and INT4 rows a whole warp."""
     assert (ck.gemv_row_lanes(d_in, format), ck.gemv_rows_per_block(d_in, format)) == (lanes, rows)
 
 
