@@ -37,6 +37,12 @@ class CublasError(RuntimeError):
     pass
 
 
+def check(status: int, what: str) -> None:
+    """Raise CublasError for a cuBLAS (or cuBLASLt) call's failing status."""
+    if status != 0:
+        raise CublasError(f"{what} failed with cuBLAS status {status}")
+
+
 def _candidates(library: str) -> list[str]:
     """Where lib`library` (cublas or cublasLt) may be, in the order searched."""
     places = []
@@ -69,22 +75,18 @@ class Cublas:
     def __init__(self, stream_handle: int, workspace_ptr: int, workspace_bytes: int):
         self.lib = load_cublas()
         self.handle = ctypes.c_void_p()
-        self._check(self.lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
-        self._check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream_handle)), "cublasSetStream")
-        self._check(self.lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(workspace_ptr), ctypes.c_size_t(workspace_bytes)),
+        check(self.lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream_handle)), "cublasSetStream")
+        check(self.lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(workspace_ptr), ctypes.c_size_t(workspace_bytes)),
                     "cublasSetWorkspace")
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-
-    def _check(self, status: int, what: str) -> None:
-        if status != 0:
-            raise CublasError(f"{what} failed with cuBLAS status {status}")
 
     def gemm(self, y: int, y_type: DataType, x: int, x_type: DataType, w: int, w_type: DataType, tokens: int, d_in: int,
              d_out: int, ldy: int | None = None) -> None:
         """y[tokens, d_out] = x[tokens, d_in] @ w[d_out, d_in]^T in float32 compute, each
         operand of its type (all row-major, x and w dense; y's rows `ldy` apart, d_out
         unless given: a block of y's columns)."""
-        self._check(self.lib.cublasGemmEx(
+        check(self.lib.cublasGemmEx(
             self.handle, CUBLAS_OP_T, CUBLAS_OP_N, d_out, tokens, d_in,
             ctypes.byref(self._one), ctypes.c_void_p(w), int(w_type), d_in,
             ctypes.c_void_p(x), int(x_type), d_in,

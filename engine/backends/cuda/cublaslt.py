@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from engine.backends.cuda.cublas import CUBLAS_COMPUTE_32F, CUBLAS_OP_N, CUBLAS_OP_T, CublasError, DataType, load_cublas
+from engine.backends.cuda.cublas import CUBLAS_COMPUTE_32F, CUBLAS_OP_N, CUBLAS_OP_T, DataType, check, load_cublas
 
 MATMUL_DESC_TRANSA, MATMUL_DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
@@ -44,31 +44,30 @@ class LtPlan:
     """A shape's descriptors and the heuristic's candidate algorithms for it, best guess first."""
 
     def __init__(self, lt: CublasLt, shape: GemmShape, count: int):
-        lib, self.lt, self.shape = lt.lib, lt, shape
-        s = shape
+        lib, self.lt, s = lt.lib, lt, shape
         self.desc, self.layouts = ctypes.c_void_p(), []
-        lt.check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, int(DataType.F32)),
+        check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, int(DataType.F32)),
                  "cublasLtMatmulDescCreate")
         for attribute, op in ((MATMUL_DESC_TRANSA, CUBLAS_OP_T), (MATMUL_DESC_TRANSB, CUBLAS_OP_N)):
             value = ctypes.c_int32(op)
-            lt.check(lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
+            check(lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
                      "cublasLtMatmulDescSetAttribute")
         # (A: w as [d_in, d_out] column-major, transposed; B: x as [d_in, tokens]; C = D: y as [d_out, tokens])
         for dtype, rows, cols, ld in ((s.w_type, s.d_in, s.d_out, s.d_in), (s.x_type, s.d_in, s.tokens, s.d_in),
                                       (s.y_type, s.d_out, s.tokens, s.ldy or s.d_out)):
             layout = ctypes.c_void_p()
-            lt.check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), int(dtype), ctypes.c_uint64(rows),
+            check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), int(dtype), ctypes.c_uint64(rows),
                                                     ctypes.c_uint64(cols), ctypes.c_int64(ld)), "cublasLtMatrixLayoutCreate")
             self.layouts.append(layout)
         preference = ctypes.c_void_p()
-        lt.check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
+        check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
         try:
             limit = ctypes.c_uint64(lt.workspace_bytes)
-            lt.check(lib.cublasLtMatmulPreferenceSetAttribute(preference, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
+            check(lib.cublasLtMatmulPreferenceSetAttribute(preference, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
                                                               ctypes.sizeof(limit)), "cublasLtMatmulPreferenceSetAttribute")
             results, returned = (_Heuristic * count)(), ctypes.c_int(0)
             w_layout, x_layout, y_layout = self.layouts
-            lt.check(lib.cublasLtMatmulAlgoGetHeuristic(lt.handle, self.desc, w_layout, x_layout, y_layout, y_layout,
+            check(lib.cublasLtMatmulAlgoGetHeuristic(lt.handle, self.desc, w_layout, x_layout, y_layout, y_layout,
                                                         preference, count, results, ctypes.byref(returned)),
                      "cublasLtMatmulAlgoGetHeuristic")
         finally:
@@ -89,12 +88,8 @@ class CublasLt:
         self.lib = load_cublas("cublasLt")
         self.stream, self.workspace, self.workspace_bytes = ctypes.c_void_p(stream_handle), workspace_ptr, workspace_bytes
         self.handle = ctypes.c_void_p()
-        self.check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-
-    def check(self, status: int, what: str) -> None:
-        if status != 0:
-            raise CublasError(f"{what} failed with cuBLAS status {status}")
 
     def plan(self, shape: GemmShape, count: int = 16) -> LtPlan:
         """The descriptors of `shape` and up to `count` candidate algorithms."""
@@ -103,7 +98,7 @@ class CublasLt:
     def matmul(self, plan: LtPlan, candidate: int, y: int, x: int, w: int) -> None:
         """plan's product with its `candidate`-th algorithm, queued on the stream."""
         w_layout, x_layout, y_layout = plan.layouts
-        self.check(self.lib.cublasLtMatmul(
+        check(self.lib.cublasLtMatmul(
             self.handle, plan.desc, ctypes.byref(self._one), ctypes.c_void_p(w), w_layout, ctypes.c_void_p(x), x_layout,
             ctypes.byref(self._zero), ctypes.c_void_p(y), y_layout, ctypes.c_void_p(y), y_layout,
             ctypes.byref(plan.candidates[candidate].algo), ctypes.c_void_p(self.workspace),
