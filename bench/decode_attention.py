@@ -103,7 +103,8 @@ def main() -> None:
     print(f"{args.sources}: {partial.num_regs} registers a thread, {partial.local_size_bytes} bytes of local memory")
     rng = np.random.default_rng(0)
     cases = {"256 x context 850": [850] * 256, "256 x context U(100, 2000)": rng.integers(100, 2001, 256).tolist(),
-             "64 x context 300": [300] * 64, "1 x context 300": [300]}
+             "64 x context 300": [300] * 64, "1 x context 300": [300], "1 x context 8192": [8192],
+             "1 x context 32768": [32768], "16 x context 32768": [32768] * 16}
     print(f"{'batch':>26} | {'partition':>9} | {'pass 2':>12} | {'us':>7} | {'K/V TB/s':>8} | {'floor us':>8}")
     for name, contexts in cases.items():
         x = inputs(contexts, rng)

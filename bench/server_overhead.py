@@ -54,7 +54,7 @@ class EmulatedBackend:
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return 1
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int, max_context: int) -> None:
         pass
 
     def host_array(self, shape, dtype):

@@ -29,8 +29,8 @@
 // Pass 2, one output element: sum_p acc_p * exp(max_p - M) / sum_p sum_p * exp(max_p - M),
 // M = max_p max_p, over the partitions that hold token t's positions 0..positions[t]:
 // the first positions[t] / partition + 1 (`spanned`; pass 1 leaves the others empty).
-// `base` indexes (token, head, partition 0) in part_max. Loads bypass L1: in the decode
-// kernel other blocks of the same launch wrote the partitions.
+// `base` indexes (token, head, partition 0) in part_max. (merge_in_block, below, is the
+// decode kernel's: the same sums, split over a block's threads.)
 __device__ __forceinline__ float merge_partitions(const float* part_acc, const float* part_max, const float* part_sum,
                                                   size_t base, int spanned, int d) {
     float m = -INFINITY;
@@ -61,9 +61,10 @@ __device__ __forceinline__ float merge_partitions(const float* part_acc, const f
 // partition), and otherwise each partition's block counts itself in arrivals[t, kvh]
 // once its partial results are written, and the last to arrive merges the token's
 // GROUP heads and resets the count to 0 for the next launch (so arrivals is zero
-// between launches). The merge reads the partitions in order whichever block is last,
-// so the result is the same as paged_attention_merge's. That saves a step of a few
-// tokens the merge kernel's launch; in a large step the fence and count lengthen every
+// between launches). That block merges with all its threads (merge_in_block): a long
+// context has hundreds of partitions, and one thread an element walking them in turn
+// (merge_partitions) took 90 µs a layer at 32,768 positions. That saves a step of a
+// few tokens the merge kernel's launch; in a large step the fence and count lengthen every
 // block by more than the merge kernel takes, so there arrivals is null and
 // paged_attention_merge follows (engine/backends/cuda_backend.py).
 //
@@ -111,6 +112,68 @@ __device__ __forceinline__ void load_chunk(ChunkFragments& f, const kv_t* __rest
     for (int r = 0; r < 4; r++)
         load_row<V_WORDS>(f.v[r], v_cache, blocks_s, first_block, block_size, kv_heads, kvh,
                           chunk + 2 * q + (r & 1) + 8 * (r >> 1), g * DIM_SLICE, end);
+}
+
+// Pass 2 for the GROUP heads of token t's KV head kvh, by the block's WARPS * 32
+// threads: a warp a head finds its max over the partitions, then thread (c, l) sums
+// dims 4c..4c+3 of partitions l, l + MERGE_LANES, ... of every head, and the lanes'
+// sums meet in shared memory, added in lane order. Loads bypass L1: other blocks of
+// the same launch wrote the partitions.
+#define MERGE_COLS (HEAD_DIM / 4)                // float4 columns of a partition's row
+#define MERGE_LANES (WARPS * 32 / MERGE_COLS)  // threads a column
+__device__ __forceinline__ void merge_in_block(bf16* __restrict__ out, const float* part_acc, const float* part_max,
+                                               const float* part_sum, int t, int heads, int kvh, int partitions,
+                                               int spanned) {
+    __shared__ float max_s[GROUP];
+    __shared__ float4 num_s[MERGE_LANES][GROUP][MERGE_COLS];
+    __shared__ float den_s[MERGE_LANES][GROUP];
+    const size_t base = ((size_t)t * heads + kvh * GROUP) * partitions;  // head kvh * GROUP + h's at base + h * partitions
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int h = warp; h < GROUP; h += WARPS) {
+        float m = -INFINITY;
+#pragma unroll 4
+        for (int p = lane; p < spanned; p += 32) m = fmaxf(m, __ldcg(part_max + base + (size_t)h * partitions + p));
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+        if (lane == 0) max_s[h] = m;
+    }
+    __syncthreads();
+    const int c = threadIdx.x % MERGE_COLS, l = threadIdx.x / MERGE_COLS;
+    float4 num[GROUP];
+    float den[GROUP];
+#pragma unroll
+    for (int h = 0; h < GROUP; h++) {
+        num[h] = make_float4(0.f, 0.f, 0.f, 0.f);
+        den[h] = 0.f;
+    }
+#pragma unroll 2
+    for (int p = l; p < spanned; p += MERGE_LANES) {
+#pragma unroll
+        for (int h = 0; h < GROUP; h++) {
+            const size_t i = base + (size_t)h * partitions + p;
+            const float w = __expf(__ldcg(part_max + i) - max_s[h]);
+            const float4 a = __ldcg(reinterpret_cast<const float4*>(part_acc + i * HEAD_DIM) + c);
+            num[h].x += w * a.x;
+            num[h].y += w * a.y;
+            num[h].z += w * a.z;
+            num[h].w += w * a.w;
+            den[h] += w * __ldcg(part_sum + i);
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < GROUP; h++) {
+        num_s[l][h][c] = num[h];
+        if (c == 0) den_s[l][h] = den[h];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += blockDim.x) {
+        const int h = e / HEAD_DIM, d = e % HEAD_DIM;
+        float n = 0.f, sum = 0.f;
+        for (int k = 0; k < MERGE_LANES; k++) {
+            n += reinterpret_cast<const float*>(num_s[k][h])[d];
+            sum += den_s[k][h];
+        }
+        out[((size_t)t * heads + kvh * GROUP + h) * HEAD_DIM + d] = to_bf16(n / sum);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial(
@@ -275,11 +338,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     __syncthreads();
     if (!last_s) return;
     __threadfence();
-    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += blockDim.x) {
-        const int h = kvh * GROUP + e / HEAD_DIM, d = e % HEAD_DIM;
-        out[((size_t)t * heads + h) * HEAD_DIM + d] =
-            to_bf16(merge_partitions(part_acc, part_max, part_sum, ((size_t)t * heads + h) * gridDim.z, spanned, d));
-    }
+    merge_in_block(out, part_acc, part_max, part_sum, t, heads, kvh, gridDim.z, spanned);
 }
 
 // Pass 1 for prompt tokens (prefill): the same partial results as

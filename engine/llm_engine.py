@@ -142,8 +142,8 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           config.record_kv_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        backend.allocate_kv_cache(config.num_kv_blocks, config.block_size, config.max_num_seqs)
         max_model_len = self._context_length(model.config.max_position_embeddings)
+        backend.allocate_kv_cache(config.num_kv_blocks, config.block_size, config.max_num_seqs, max_model_len)
         self.info = EngineInfo(
             model_name=model.name, config=model.config, tokenizer=model.tokenizer, backend_name=backend.name,
             max_model_len=max_model_len, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,

@@ -38,8 +38,9 @@ class Backend(Protocol):
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of K and V one block of `block_size` tokens takes, every layer's: to size the cache."""
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
-        """The paged cache; `max_batch` is the most sequences one step holds."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int, max_context: int) -> None:
+        """The paged cache; `max_batch` is the most sequences one step holds, `max_context`
+        the most tokens one sequence does."""
 
     def host_array(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
         """Host memory that a launch copies to the device without waiting for the

@@ -176,7 +176,7 @@ class NumpyBackend:
         """K or V from the cache, in float32."""
         return e4m3_to_f32(stored) if self.fp8_kv else stored
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int, max_context: int) -> None:
         c = self.config
         shape = (num_blocks * block_size, c.num_kv_heads, c.head_dim)
         self.block_size = block_size

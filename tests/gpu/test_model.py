@@ -334,6 +334,24 @@ def test_batch_1_graph_replays_equal_eager_steps(llama):
     assert with_graphs == without
 
 
+def test_long_context_graph_replays_equal_eager_steps(llama):
+    """Past the decode graphs' context (graph_max_context, 256 tokens here) small
+    batches replay graphs that cover the engine's whole context (4,096 tokens here: the
+    same attention partitions as eager steps), and compute what eager steps do."""
+    from engine.backends.cuda.backend import CudaBackend
+
+    model = llama[1].model
+    engine = LLMEngine(model, CudaBackend(model.config, model.model_weights(), graph_max_context=256, prompt_graphs=False),
+                       EngineConfig(num_kv_blocks=256, max_num_seqs=1))
+    graphs = engine.backend.graphs
+    assert (graphs.max_context, graphs.long_context, graphs.long_decode_buckets) == (256, 4096, [1])
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 128000, n).tolist() for n in (250, 700)]  # (the first crosses 256 as it decodes)
+    with_graphs, without = tokens_with_and_without_graphs(engine, False, prompts, max_num_seqs=1)
+    assert graphs.long_decode_replays >= 2 * 12
+    assert with_graphs == without
+
+
 def test_prompt_graph_replays_equal_eager_steps(invariant_engine):
     """Short prompts, and prompts whose 600-token prefix is cached, one at a time: their
     prefill is one replay of a prompt graph, and with batch invariance its tokens are

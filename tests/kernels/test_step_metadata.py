@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.backends.cuda.step_metadata import (
-    FIELDS, GENERATED_TILE, PARTITION, PROMPT_TILE, SHORT_PARTITION, SMALL_DECODE, SMALL_PROMPT, SMALL_PROMPT_CONTEXT,
+    FIELDS, GENERATED_TILE, PARTITION, PROMPT_TILE, SHORT_CONTEXT, SHORT_PARTITION, SMALL_DECODE, SMALL_PROMPT,
     StepShape, attention_partition,
     build_metadata, decode_shape, field_sizes, prompt_shape, step_shape,
 )
@@ -143,15 +143,16 @@ def test_attention_partitions_cover_the_longest_context(batch, invariant):
 
 def test_steps_bound_by_latency_take_short_partitions_unless_invariant():
     """More blocks for a decode step of a few tokens (whose decode kernel merges them
-    itself) and for a short prompt step in a short context (a prompt's tail past a
-    cached prefix); one size where a token's sums must not depend on its batch, and for
+    itself) and for a short prompt step (a prompt's tail past a cached prefix), in a
+    short context; one size where a token's sums must not depend on its batch, and for
     the other steps."""
     assert attention_partition(1, 0, 100, invariant=False) == attention_partition(SMALL_DECODE, 0, 100, False) == SHORT_PARTITION
     assert attention_partition(SMALL_DECODE + 1, 0, 100, invariant=False) == PARTITION
     assert attention_partition(1, 0, 100, invariant=True) == PARTITION
-    assert attention_partition(0, SMALL_PROMPT, SMALL_PROMPT_CONTEXT, invariant=False) == SHORT_PARTITION
+    assert attention_partition(0, SMALL_PROMPT, SHORT_CONTEXT, invariant=False) == SHORT_PARTITION
     assert attention_partition(0, SMALL_PROMPT + 1, 100, invariant=False) == PARTITION
-    assert attention_partition(0, 5, SMALL_PROMPT_CONTEXT + 1, invariant=False) == PARTITION
+    assert attention_partition(0, 5, SHORT_CONTEXT + 1, invariant=False) == PARTITION
+    assert attention_partition(1, 0, SHORT_CONTEXT + 1, invariant=False) == PARTITION  # (a long context's decode)
     assert attention_partition(1, 5, 100, invariant=False) == PARTITION  # (a mixed step)
     assert attention_partition(0, 5, 100, invariant=True) == PARTITION
     graph = decode_shape(1, max_blocks=256, max_context=4096, invariant=False)

@@ -185,8 +185,8 @@ class CpuBackend(NumpyBackend):
             by_dtype[w.dtype] = by_dtype.get(w.dtype, 0) + w.nbytes
         self.weight_dtype = "+".join(sorted(by_dtype, key=by_dtype.get, reverse=True))  # (most bytes first)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
-        super().allocate_kv_cache(num_blocks, block_size, max_batch)
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int, max_context: int) -> None:
+        super().allocate_kv_cache(num_blocks, block_size, max_batch, max_context)
         self.kv_pointers = [(addr(k), addr(v)) for k, v in zip(self.k_cache, self.v_cache)]
 
     def _step_ops(self, batch: list[ScheduledSeq], ids: np.ndarray) -> _CpuStepOps:

@@ -130,9 +130,10 @@ class CudaBackend:
         budget = kv_cache_budget(fraction, total, free, self._free_at_start - free)
         return max(0, int(budget // self.kv_cache_bytes_per_block(block_size)))
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int, max_context: int) -> None:
         """The cache, and the CUDA graphs for decode steps of up to `max_batch` sequences
-        and for short prompt chunks."""
+        (of fewer in contexts past graph_max_context, up to `max_context`) and for short
+        prompt chunks."""
         if PARTITION // block_size + 2 > MAX_PART_BLOCKS:
             raise ValueError(f"block size {block_size} is too small for the attention kernel: use at least "
                              f"{-(-PARTITION // (MAX_PART_BLOCKS - 2))}")
@@ -149,11 +150,12 @@ class CudaBackend:
                                             arrivals, self.stream)
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, block_size,
                  num_blocks * block_size, num_blocks * self.kv_cache_bytes_per_block(block_size) / 1e9)
-        enabled, graph_max_batch, max_context, prompt_buckets = self._graph_settings
+        enabled, graph_max_batch, graph_max_context, prompt_buckets = self._graph_settings
         if enabled:
             with self._context():  # (compiles the kernels' build for graphs and captures them)
                 self.graphs = StepGraphs(self.forward_pass, Kernels(*self.kernel_build, programmatic=True),
-                                         self._metadata, min(graph_max_batch, max_batch), max_context, self.query_rows,
+                                         self._metadata, min(graph_max_batch, max_batch),
+                                         min(graph_max_context, max_context), max_context, self.query_rows,
                                          self.batch_invariant, prompt_buckets)
 
     def host_array(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:

@@ -33,10 +33,11 @@ GENERATED_TILE = 64  # at 64 rows a bf16 GEMM is still bound by reading the weig
 PROMPT_TILE = 256
 PARTITION = 512  # context positions per attention partition (a thread block of the attention kernels each)
 SHORT_PARTITION = 128  # the partitions of steps bound by latency: 4 times the blocks
-SMALL_DECODE = 8  # decode steps of up to this many tokens take short partitions
-# So do prompt steps of up to SMALL_PROMPT tokens (a prompt's tail past a cached prefix)
-# in contexts of up to SMALL_PROMPT_CONTEXT (their partial results' buffer stays small).
-SMALL_PROMPT, SMALL_PROMPT_CONTEXT = 64, 4096
+SMALL_DECODE = 8  # decode steps of up to this many tokens take short partitions,
+SMALL_PROMPT = 64  # and so do prompt steps of up to this many (a prompt's tail past a cached prefix),
+# in contexts of up to SHORT_CONTEXT. Past it, whole partitions already give the SMs
+# blocks enough, and short ones would multiply the partial results to write and merge.
+SHORT_CONTEXT = 4096
 
 
 @dataclass(frozen=True)
@@ -119,13 +120,13 @@ def is_small_decode(generated: int, prompt: int, invariant: bool) -> bool:
 
 def attention_partition(generated: int, prompt: int, context: int, invariant: bool) -> int:
     """Context positions per attention partition of a step whose longest context is
-    `context`. A step bound by latency (a small decode, or a short prompt step in a
-    short context) takes short ones, so that its attention spreads over more thread
+    `context`. A step bound by latency (a small decode or a short prompt step) in a
+    short context takes short ones, so that its attention spreads over more thread
     blocks, each with a shorter chain of loads (bench/decode_attention.py). With batch
     invariance every step takes the same size, since a token's sums depend on its
     partitions."""
-    small_prompt = not generated and prompt <= SMALL_PROMPT and context <= SMALL_PROMPT_CONTEXT
-    if not invariant and (is_small_decode(generated, prompt, invariant) or small_prompt):
+    small_prompt = not generated and prompt <= SMALL_PROMPT
+    if not invariant and context <= SHORT_CONTEXT and (is_small_decode(generated, prompt, invariant) or small_prompt):
         return SHORT_PARTITION
     return PARTITION
 
