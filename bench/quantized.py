@@ -132,7 +132,7 @@ def main() -> None:
         for name in args.formats.split(","):
             model = FORMATS[name](base)
             if args.kernels_only:
-                backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False)
+                backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False, int4_weights=True)
             else:
                 result, backend = end_to_end(model, name)
                 rows.append(result)
