@@ -1,9 +1,11 @@
 """Batch-1 latency of the CUDA engine at the Llama 3.2 1B shape (bfloat16, random weights):
 time per output token (128-token prompt, 256 new tokens; greedy, and once with top-k
 and top-p sampling) and time to first token (one 1024-token prompt, idle engine),
-beside transformers measured in the same run and beside the floor.
+beside the floor and, in the same run, two peers: transformers' generate, and a plain
+PyTorch decode step compiled by torch.compile and replayed as a CUDA graph
+(bench/torch_decode.py; also eager in a graph).
 
-    python bench/latency.py [--no-transformers]   # on a machine with an NVIDIA GPU, torch and transformers
+    python bench/latency.py [--no-transformers] [--no-torch]   # an NVIDIA GPU, torch and transformers
 
 Floors: decode reads every weight once per token (2.47 GB at the 4.27 TB/s copy
 bandwidth measured on the H200: 0.58 ms); prefill of 1024 tokens does 2.6 TFLOP
@@ -23,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import torch_decode  # noqa: E402
 from bench.engine_throughput import StepTimeline  # noqa: E402
 from engine.backends.cuda.backend import CudaBackend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
@@ -74,6 +77,7 @@ def transformers_per_token(model_dir: str, prompt: list[int], new_tokens: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the transformers run")
+    ap.add_argument("--no-torch", dest="torch", action="store_false", help="skip the PyTorch decode step")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp), LLAMA_32_1B, seed=0)
@@ -93,15 +97,24 @@ def main() -> None:
             tpot[graphs, invariant] = ours(engine, prompt, 256)[1]
             gpu_step[graphs, invariant] = statistics.median(timeline.gpu_ms(prefill=False))
         hf_tpot = transformers_per_token(tmp, prompt, 256) if args.transformers else float("nan")
-    print(f"{'metric':<44} | {'llamastream':>11} | {'transformers':>12} | {'floor':>8}")
-    print(f"{'batch-1 time per output token (ms)':<44} | {tpot[True, False]:11.2f} | {hf_tpot:12.2f} | {DECODE_FLOOR_MS:8.2f}")
-    print(f"{'  the same, --enforce-eager (no CUDA graphs)':<44} | {tpot[False, False]:11.2f} | {'':>12} | {DECODE_FLOOR_MS:8.2f}")
-    print(f"{'  the same, --batch-invariant':<44} | {tpot[True, True]:11.2f} | {'':>12} | {DECODE_FLOOR_MS:8.2f}")
-    print(f"{'  the same, top-k 50 and top-p 0.95 sampling':<44} | {sampled_tpot:11.2f} | {'':>12} | {DECODE_FLOOR_MS:8.2f}")
-    print(f"{'time to first token, 1024-token prompt (ms)':<44} | {ttft[True, False]:11.2f} | {'':>12} | {PREFILL_FLOOR_MS:8.2f}")
-    print(f"{'  the same, --batch-invariant':<44} | {ttft[True, True]:11.2f} | {'':>12} | {PREFILL_FLOOR_MS:8.2f}")
+        peer = torch_decode.per_token_ms(tmp, prompt, 256) if args.torch else {}
+    rows = [("batch-1 time per output token (ms)", tpot[True, False], DECODE_FLOOR_MS),
+            ("  the same, --enforce-eager (no CUDA graphs)", tpot[False, False], DECODE_FLOOR_MS),
+            ("  the same, --batch-invariant", tpot[True, True], DECODE_FLOOR_MS),
+            ("  the same, top-k 50 and top-p 0.95 sampling", sampled_tpot, DECODE_FLOOR_MS),
+            ("  peer: transformers generate", hf_tpot, DECODE_FLOOR_MS),
+            ("  peer: PyTorch step, torch.compile + CUDA graph", peer.get("compiled", float("nan")), DECODE_FLOOR_MS),
+            ("  peer: PyTorch step, eager in a CUDA graph", peer.get("eager", float("nan")), DECODE_FLOOR_MS),
+            ("time to first token, 1024-token prompt (ms)", ttft[True, False], PREFILL_FLOOR_MS),
+            ("  the same, --batch-invariant", ttft[True, True], PREFILL_FLOOR_MS)]
+    print(f"{'metric':<50} | {'ms':>7} | {'floor':>6}")
+    for label, ms, floor in rows:
+        print(f"{label:<50} | {ms:7.2f} | {floor:6.2f}")
     print(f"(a decode step's GPU span, median: {gpu_step[True, False]:.2f} ms with CUDA graphs, {gpu_step[False, False]:.2f} "
           f"eager, {gpu_step[True, True]:.2f} batch-invariant; what a token takes beyond it, the GPU waits for the host)")
+    if peer:
+        print(f"(the PyTorch step's last-prompt-token logits against transformers': rel. L2 {peer['logits error']:.2e}; "
+              "its figures are the GPU's alone, a graph replaying the next)")
 
 
 if __name__ == "__main__":
