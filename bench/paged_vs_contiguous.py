@@ -7,8 +7,12 @@ scheme: each admitted sequence takes one slab of --max-model-len tokens.
     python bench/paged_vs_contiguous.py --device cpu --model tests/fixtures/tiny-llama \\
         --requests 64 --input-len 10:100 --output-len 10:100 --max-model-len 256 --kv-cache-gb 0.001
 
+Paged, the scheduler's admission may keep room for outputs to come (--output-reserve,
+each value a row): with none it admits while prompts fit and preempts (recomputing)
+when outputs outgrow the cache.
+
 Prints, for each scheme: the sequences the memory holds at full length, the mean and
-peak number of sequences running per step, preemptions, and output tokens/s.
+peak number of sequences running per step, preemptions, steps, and output tokens/s.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 
-def run(model, backend, block_size: int, num_blocks: int, args, prompts, outputs) -> dict:
+def run(model, backend, block_size: int, num_blocks: int, reserve: float, args, prompts, outputs) -> dict:
     engine = LLMEngine(model, backend, EngineConfig(block_size=block_size, num_kv_blocks=num_blocks,
                                                     max_num_seqs=args.requests, max_model_len=args.max_model_len,
-                                                    max_num_batched_tokens=args.max_num_batched_tokens))
+                                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                                    output_reserve=reserve))
     for i, (p, o) in enumerate(zip(prompts, outputs)):
         engine.add(engine.make_sequence(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)))
     running, generated = [], 0
@@ -55,6 +60,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV-cache memory, the same for both schemes")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--output-reserve", default="0,0.5,1", help="paged rows: admission's reserves, comma-separated")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
@@ -72,10 +78,13 @@ def main() -> None:
     budget_tokens = int(args.kv_cache_gb * 2**30 // backend.kv_cache_bytes_per_block(1))
     print(f"{model.config.num_layers}-layer model on {backend.name}; KV cache {args.kv_cache_gb} GB = {budget_tokens} tokens; "
           f"{args.requests} requests, input {args.input_len}, output {args.output_len}, context {args.max_model_len}")
-    print(f"{'scheme':<34} | {'seqs at full length':>19} | {'mean running':>12} | {'peak':>5} | {'preempt':>7} | {'out tok/s':>9}")
-    for label, bs in (("paged, 16-token blocks", 16), (f"contiguous, one {args.max_model_len}-token slab", args.max_model_len)):
-        r = run(model, backend, bs, budget_tokens // bs, args, prompts, outputs)
-        print(f"{label:<34} | {r['fits']:>19} | {r['mean']:12.1f} | {r['peak']:>5} | {r['preemptions']:>7} | {r['tok_s']:9.1f}")
+    print(f"{'scheme':<40} | {'seqs at full length':>19} | {'mean running':>12} | {'peak':>5} | {'preempt':>7} | "
+          f"{'steps':>6} | {'out tok/s':>9}")
+    schemes = [(f"paged, 16-token blocks, reserve {r}", 16, float(r)) for r in args.output_reserve.split(",")]
+    for label, bs, reserve in schemes + [(f"contiguous, one {args.max_model_len}-token slab", args.max_model_len, 0.0)]:
+        r = run(model, backend, bs, budget_tokens // bs, reserve, args, prompts, outputs)
+        print(f"{label:<40} | {r['fits']:>19} | {r['mean']:12.1f} | {r['peak']:>5} | {r['preemptions']:>7} | "
+              f"{r['steps']:>6} | {r['tok_s']:9.1f}", flush=True)
 
 
 if __name__ == "__main__":

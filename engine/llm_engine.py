@@ -39,6 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's, within the KV cache
     enable_prefix_caching: bool = True
+    output_reserve: float = 0.0  # admission's room for outputs to come (Scheduler), 0 to 1
     record_kv_events: bool = False  # for take_kv_events (a gateway's cache-aware routing)
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # the largest structured-output constraint taken
 
@@ -141,7 +142,8 @@ class LLMEngine:
         self.config = config
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           config.record_kv_events)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.output_reserve)
         max_model_len = self._context_length(model.config.max_position_embeddings)
         backend.allocate_kv_cache(config.num_kv_blocks, config.block_size, config.max_num_seqs, max_model_len)
         self.info = EngineInfo(

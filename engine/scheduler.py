@@ -15,10 +15,18 @@ recomputed (its computed full blocks stay in the prefix cache, where it may find
 again). A prompt takes what the free blocks hold, and preempts only when not one more
 token fits. A waiting sequence starts past the longest prefix of it that the prefix
 cache holds (BlockManager): those tokens cost neither budget nor compute.
+
+Admission may keep room for the outputs to come (`output_reserve`, as SGLang's
+new-token ratio): a waiting sequence starts only if the free blocks, past its first
+chunk, hold the rest of every running prompt and `output_reserve` of each running
+sequence's remaining max_tokens (at most RESERVE_CLIP of them), its own included. At 0
+admission fills the blocks and decodes preempt when they run out; at 1 nothing is
+ever preempted while every request runs to its max_tokens.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -39,11 +47,18 @@ class ScheduledSeq:
         self.samples = self.start + self.num_tokens == self.seq.num_tokens
 
 
+# A request's output counted by admission's reserve: at most this many tokens (a
+# request without max_tokens may have the whole context left).
+RESERVE_CLIP = 4096
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 output_reserve: float = 0.0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.output_reserve = output_reserve
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -81,11 +96,14 @@ class Scheduler:
                     scheduled_prompts.append(seq)
         # After a preemption the pool is tight: admitting more would only thrash.
         admit = self.num_preemptions == preemptions_before
+        reserved = sum(map(self._reserve, self.running)) if admit and self.waiting and self.output_reserve else 0
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.block_manager.claim_cached_prefix(seq)
             n = min(seq.num_uncomputed_tokens, share, budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+            reserved += self._reserve(seq) if self.output_reserve else 0
+            if (not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n)
+                    or self.block_manager.num_free_blocks < reserved):
                 self._release(seq)
                 break
             self.waiting.popleft()
@@ -103,6 +121,13 @@ class Scheduler:
             chunks[seq] += extra
             budget -= extra
         return [ScheduledSeq(seq, seq.num_computed_tokens, n) for seq, n in chunks.items()]
+
+    def _reserve(self, seq: Sequence) -> int:
+        """Blocks `seq` is expected to take beyond those it holds: the rest of its prompt
+        and output_reserve of its remaining max_tokens (at most RESERVE_CLIP)."""
+        output = self.output_reserve * min(seq.max_tokens - seq.num_generated, RESERVE_CLIP)
+        expected = seq.num_tokens + math.ceil(output)
+        return max(0, -(-expected // self.block_manager.block_size) - len(seq.block_table))
 
     def _fit(self, seq: Sequence, most: int, chunks: dict[Sequence, int], preempt: bool = True) -> int:
         """Allocate up to `most` more prompt tokens of `seq` (after those it has in

@@ -67,6 +67,7 @@ class ServerConfig:
     enforce_eager: bool = False  # cuda backend: no CUDA graphs
     batch_invariant: bool = False  # cuda backend: a token's result independent of its batch
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
+    output_reserve: float = 0.0  # admission's room for outputs to come (engine/scheduler.py)
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: the backend's (DEFAULT_TOKEN_BUDGETS)
     max_model_len: int | None = None
@@ -128,6 +129,7 @@ def build_engine(cfg: ServerConfig) -> LLMEngine:
         max_num_batched_tokens=cfg.max_num_batched_tokens or max(DEFAULT_TOKEN_BUDGETS[backend.name], cfg.max_num_seqs),
         max_model_len=cfg.max_model_len,
         enable_prefix_caching=cfg.prefix_caching,
+        output_reserve=cfg.output_reserve,
         record_kv_events=cfg.prefix_caching,  # (for VllmEngine's SubscribeKvEvents)
         max_grammar_bytes=cfg.max_grammar_bytes,
     ))

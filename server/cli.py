@@ -10,6 +10,7 @@ import sys
 
 from engine.backends import DEFAULT_TOKEN_BUDGETS, DEVICES
 from engine.backends.base import KV_CACHE_DTYPES
+from engine.scheduler import RESERVE_CLIP
 from server import package_version
 from server.app import MIN_MESSAGE_BYTES, ServerConfig
 from server.log_format import LOG_FORMATS, configure_logging
@@ -69,6 +70,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "(reproducible seeded and greedy outputs; slower GEMMs on the GPU)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt in full, even where a cached prefix of it is in the KV cache")
+    p.add_argument("--output-reserve", type=_number(float, 0, 1), default=d.output_reserve,
+                   help="admit a request only while the KV cache also holds this fraction of every running "
+                        f"request's remaining max_tokens (at most {RESERVE_CLIP} each): 0 fills the cache and preempts "
+                        "when outputs outgrow it; 1 never preempts requests that run to their max_tokens")
     p.add_argument("--engine-in-process", dest="engine_process", action="store_false",
                    help="step the engine on a thread of the server's process instead of a process of its own "
                         "(one Python GIL for both: slower under many streams, simpler to debug or profile)")

@@ -43,13 +43,16 @@ def test_serve_benchmark_goes_through_the_gateway_too(tmp_path):
 def test_paged_vs_contiguous_runs_both_schemes():
     out = subprocess.run(
         [sys.executable, "bench/paged_vs_contiguous.py", "--device", "cpu", "--model", str(TINY_MODEL), "--requests", "24",
-         "--input-len", "10:60", "--output-len", "5:30", "--max-model-len", "128", "--kv-cache-gb", "0.0003"],
+         "--input-len", "10:60", "--output-len", "5:30", "--max-model-len", "128", "--kv-cache-gb", "0.0003",
+         "--output-reserve", "0,1"],
         cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
     ).stdout
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]] for line in out.splitlines() if "|" in line}
-    paged, contiguous = rows["paged, 16-token blocks"], rows["contiguous, one 128-token slab"]
-    assert paged[0] == contiguous[0]  # the same memory holds as many full-length sequences
+    paged, contiguous = rows["paged, 16-token blocks, reserve 0"], rows["contiguous, one 128-token slab"]
+    reserving = rows["paged, 16-token blocks, reserve 1"]
+    assert paged[0] == contiguous[0] == reserving[0]  # the same memory holds as many full-length sequences
     assert float(paged[1]) > float(contiguous[1])  # but paging runs more of them at once
+    assert int(reserving[3]) == 0  # (preemptions) and, keeping room for the outputs, never recomputes one
 
 
 def test_server_overhead_compares_in_process_with_grpc():

@@ -28,11 +28,13 @@ from engine.sequence import Sequence
 
 
 class SchedulingMachine(RuleBasedStateMachine):
+    OUTPUT_RESERVE = 0.0  # the scheduler's
+
     def __init__(self):
         super().__init__()
         self.bm = BlockManager(num_blocks=24, block_size=4, record_events=True)
         self.mirror: dict[int, tuple[int, ...]] = {}  # the findable blocks, as the events tell
-        self.scheduler = Scheduler(self.bm, max_num_seqs=5, max_num_batched_tokens=16)
+        self.scheduler = Scheduler(self.bm, max_num_seqs=5, max_num_batched_tokens=16, output_reserve=self.OUTPUT_RESERVE)
         self.count = 0
         self.cache = np.full(24 * 4, -1)  # the token id whose K/V each slot holds
 
@@ -126,8 +128,15 @@ class SchedulingMachine(RuleBasedStateMachine):
         assert self.bm.num_free_blocks == self.bm.num_blocks, "blocks leaked"
 
 
+class ReservingMachine(SchedulingMachine):
+    """The same, with admission keeping room for half of each request's max_tokens."""
+    OUTPUT_RESERVE = 0.5
+
+
 TestScheduling = SchedulingMachine.TestCase
 TestScheduling.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestReservingScheduling = ReservingMachine.TestCase
+TestReservingScheduling.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
 def test_allocate_refuses_more_than_is_free():

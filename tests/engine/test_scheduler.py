@@ -76,3 +76,42 @@ def test_a_waiting_prompt_is_admitted_only_when_its_chunk_fits():
     scheduler.add(sequence("long", 1000))
     assert step(scheduler) == {"stream": 1}  # its first chunk needs 16 blocks: it waits
     assert list(scheduler.waiting)[0].request_id == "long" and scheduler.block_manager.num_free_blocks == 8
+
+
+def run_to_the_end(scheduler: Scheduler) -> int:
+    """Steps until every request has its max_tokens; the most sequences running at once."""
+    most = 0
+    while scheduler.has_work():
+        step(scheduler)
+        most = max(most, len(scheduler.running))
+        for seq in [s for s in scheduler.running if s.all_sampled]:
+            scheduler.finish(seq)
+    return most
+
+
+def test_an_output_reserve_trades_sequences_at_once_for_preemptions():
+    """Twelve requests of 20 prompt tokens and 60 output tokens in 40 blocks of 16 (eight
+    at full length). Admitting while the prompts fit runs all twelve and preempts as they
+    grow; keeping room for all of max_tokens runs eight and never preempts; half of it,
+    ten at first."""
+    outcome = {}
+    for reserve in (0.0, 0.5, 1.0):
+        scheduler = Scheduler(BlockManager(40, 16), max_num_seqs=12, max_num_batched_tokens=256, output_reserve=reserve)
+        for i in range(12):
+            scheduler.add(sequence(f"r{i}", 20, max_tokens=60))
+        outcome[reserve] = run_to_the_end(scheduler), scheduler.num_preemptions
+        assert scheduler.block_manager.num_free_blocks == 40
+    assert outcome[0.0][0] == 12 and outcome[0.0][1] > 0
+    assert outcome[0.5][0] == 10
+    assert outcome[1.0] == (8, 0)
+
+
+def test_a_reserve_larger_than_the_cache_still_admits_a_request_alone():
+    """A request whose reserve exceeds what is free waits for the running ones, and runs
+    once it is alone (its prompt and max_tokens fit the context, which fits the cache)."""
+    scheduler = Scheduler(BlockManager(8, 16), max_num_seqs=4, max_num_batched_tokens=256, output_reserve=1.0)
+    scheduler.add(sequence("a", 20, max_tokens=100))
+    scheduler.add(sequence("b", 20, max_tokens=100))
+    step(scheduler)
+    assert [s.request_id for s in scheduler.running] == ["a"]
+    assert run_to_the_end(scheduler) == 1 and scheduler.num_preemptions == 0
