@@ -17,11 +17,11 @@ token fits. A waiting sequence starts past the longest prefix of it that the pre
 cache holds (BlockManager): those tokens cost neither budget nor compute.
 
 Admission may keep room for the outputs to come (`output_reserve`, as SGLang's
-new-token ratio): a waiting sequence starts only if the free blocks, past its first
-chunk, hold the rest of every running prompt and `output_reserve` of each running
-sequence's remaining max_tokens (at most RESERVE_CLIP of them), its own included. At 0
-admission fills the blocks and decodes preempt when they run out; at 1 nothing is
-ever preempted while every request runs to its max_tokens.
+new-token ratio): a waiting sequence starts only if the free blocks hold the rest of
+its prompt and of every running one, and `output_reserve` of each one's remaining
+max_tokens (at most RESERVE_CLIP of them). At 0 admission fills the blocks and
+decodes preempt when they run out; at 1 requests of up to RESERVE_CLIP output tokens
+are never preempted.
 """
 
 from __future__ import annotations
