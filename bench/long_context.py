@@ -37,8 +37,8 @@ from devtools.checkpoints import LLAMA_32_1B, make_model  # noqa: E402
 
 def prefill_floor_ms(c: ModelConfig, tokens: int) -> float:
     """The prompt's FLOPs (linear layers and causal attention) at the compute peak."""
-    layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    linear = 2 * c.num_layers * layer * tokens + 2 * c.vocab_size * c.hidden_size
+    head = 2 * c.vocab_size * c.hidden_size
+    linear = (decode_costs(c)[2] - head) * tokens + head  # (the head for the last token only)
     attention = c.num_layers * 2 * 2 * tokens * tokens / 2 * c.q_size
     return (linear + attention) / PEAK * 1e3
 
