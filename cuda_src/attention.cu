@@ -355,8 +355,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 // to bfloat16 (as transformers' eager attention rounds its probabilities).
 // Every row visits the same positions in the same order whatever its tile, so its
 // result does not depend on the batch. grid: (query tiles, kv_heads, partitions);
-// tiles[i] = (first row, rows) of query tile i. Rows past the tile shadow its last
-// position and write nothing.
+// tiles[i] = (first row, rows) of query tile i, taken last first: a sequence's later
+// tiles have the longer contexts, and started first they leave the short ones to fill
+// the tail. Rows past the tile shadow its last position and write nothing.
+// Given `out`, the launch has one partition that holds every context, and a block
+// stores its rows' output, acc / sum (what the merge computes for one partition): a
+// step of thousands of prompt tokens has blocks enough without splitting contexts, and
+// its partial results would be gigabytes to write and merge at long contexts (the
+// host's step_metadata.whole_context_prompt).
 #define PREFILL_THREADS 128            // 4 warps
 #define M_TILE 64                      // (position, head) rows per block: 16 per warp
 #define Q_POS (M_TILE / GROUP)         // query positions per tile (as the host's prefill_query_rows)
@@ -374,6 +380,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 #define POS_BLOCKS (KV_TILE / 8)       // n8 blocks of the scores
 
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS) prefill_attention_partial(
+    bf16* __restrict__ out,  // [tokens, heads, HEAD_DIM], or null: partial results, paged_attention_merge follows
     float* __restrict__ part_acc, float* __restrict__ part_max, float* __restrict__ part_sum,  // as above
     const bf16* __restrict__ qkv, const kv_t* __restrict__ k_cache, const kv_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ token_seq,
@@ -391,7 +398,8 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
     auto& k_codes = k_s;
     auto& v_codes = v_s;
 #endif
-    const int kvh = blockIdx.y, part = blockIdx.z, first = tiles[2 * blockIdx.x], rows = tiles[2 * blockIdx.x + 1];
+    const int tile_index = gridDim.x - 1 - blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+    const int first = tiles[2 * tile_index], rows = tiles[2 * tile_index + 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group_id = lane >> 2, quad = lane & 3;
     const int begin = part * partition, end = min(positions[first + rows - 1] + 1, begin + partition);
     const int* table = block_tables + (size_t)token_seq[first] * max_blocks;
@@ -526,6 +534,13 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
         float l = l_run[i] + __shfl_xor_sync(0xffffffff, l_run[i], 1);
         l += __shfl_xor_sync(0xffffffff, l, 2);
         if (!row_valid[i] || begin >= end) continue;  // (past the tile's context: the merge reads none of it)
+        if (out) {
+            bf16* out_row = out + ((size_t)row_t[i] * heads + row_h[i]) * HEAD_DIM;
+#pragma unroll
+            for (int j = 0; j < DIM_BLOCKS; j++)
+                *reinterpret_cast<uint32_t*>(out_row + j * 8 + 2 * quad) = pack_bf16(o[j][2 * i] / l, o[j][2 * i + 1] / l);
+            continue;
+        }
         const size_t part_idx = ((size_t)row_t[i] * heads + row_h[i]) * gridDim.z + part;
 #pragma unroll
         for (int j = 0; j < DIM_BLOCKS; j++)

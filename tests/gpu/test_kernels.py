@@ -188,7 +188,20 @@ def test_fp8_cache_holds_the_bfloat16_cache_rounded_as_the_numpy_backend_rounds(
         assert (np.delete(codes, slots, axis=0) == E4M3_NAN).all(), "wrote outside the slot mapping"
 
 
-@pytest.mark.parametrize("kernel", ["decode merging itself", "decode", "prefill"])
+def merge_partial_results(kernels, out, attention: PagedAttention, positions: np.ndarray, partition: int) -> None:
+    """paged_attention_merge over every token, after poisoning what pass 1 left in the
+    partitions past each token's context (the merge must not read it)."""
+    tokens, heads, partitions = attention.part_max.shape
+    unspanned = np.arange(partitions)[None, None, :] >= (positions // partition + 1)[:, None, None]
+    unspanned = np.broadcast_to(unspanned, (tokens, heads, partitions))
+    for a in (attention.part_acc, attention.part_max, attention.part_sum):
+        host = a.get()
+        host[unspanned] = np.nan
+        a.set(host)
+    kernels.paged_attention_merge(None, out, attention, tokens)
+
+
+@pytest.mark.parametrize("kernel", ["decode merging itself", "decode", "prefill", "prefill, whole contexts"])
 @pytest.mark.parametrize("heads, kv_heads, D", [(32, 8, 64), (9, 3, 64), (24, 8, 128)])  # Llama 3.2 1B, SmolLM2, 3B
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("partition", [PARTITION, SHORT_PARTITION])
@@ -197,8 +210,11 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
     """Decode tokens and prefill chunks of several sequences in one launch, over
     lengths that are not multiples of the block size and past one partition, through
     the decode kernel (split context, merged by the last partition's block, or by the
-    merge kernel) and through the prefill kernel (query tiles, then the merge kernel);
-    over a cache of bfloat16 or of e4m3 codes (against the codes' values)."""
+    merge kernel) and through the prefill kernel (query tiles, then the merge kernel, or
+    each tile's whole context at once, storing the output); over a cache of bfloat16 or
+    of e4m3 codes (against the codes' values)."""
+    if kernel == "prefill, whole contexts" and partition != PARTITION:
+        pytest.skip("one partition holds every context")
     # (context before this step, tokens in this step): decode, chunked prefill, full prefill, long decode
     seqs = [(37, 1), (20, 13), (0, 45), (PARTITION * 2 + 77, 1), (PARTITION - 1, 3), (0, 300), (PARTITION - 100, 250)]
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 4
@@ -235,22 +251,19 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
             out = poisoned_bf16((tokens, heads * D))
             kernels.paged_attention_partial(None, out, arrivals, attention, kc, vc, tokens)
         assert not arrivals.get().any()
-    else:
-        if kernel == "decode":
-            kernels.paged_attention_partial(None, out, None, attention, kc, vc, tokens)
+    elif kernel.startswith("prefill"):
+        rows = prefill_query_rows(heads // kv_heads)
+        starts = np.cumsum([0] + [n for _, n in seqs])
+        tiles = [(r, min(rows, end - r)) for start, end in zip(starts, starts[1:]) for r in range(start, end, rows)]
+        whole = kernel == "prefill, whole contexts"
+        kernels.prefill_attention_partial(None, out if whole else None, attention, kc, vc, i32(np.ravel(tiles)), len(tiles))
+        if whole:
+            assert np.isnan(part_max.get()).all(), "wrote partial results"
         else:
-            rows = prefill_query_rows(heads // kv_heads)
-            starts = np.cumsum([0] + [n for _, n in seqs])
-            tiles = [(r, min(rows, end - r)) for start, end in zip(starts, starts[1:]) for r in range(start, end, rows)]
-            kernels.prefill_attention_partial(None, attention, kc, vc, i32(np.ravel(tiles)), len(tiles))
-        # what pass 1 left in the partitions past each token's context is never read: poison it
-        unspanned = np.arange(partitions)[None, None, :] >= (positions // partition + 1)[:, None, None]
-        unspanned = np.broadcast_to(unspanned, (tokens, heads, partitions))
-        for a in (part_acc, part_max, part_sum):
-            host = a.get()
-            host[unspanned] = np.nan
-            a.set(host)
-        kernels.paged_attention_merge(None, out, attention, tokens)
+            merge_partial_results(kernels, out, attention, positions, partition)
+    else:
+        kernels.paged_attention_partial(None, out, None, attention, kc, vc, tokens)
+        merge_partial_results(kernels, out, attention, positions, partition)
     got = down_bf16(out)
     q = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     start = 0

@@ -24,13 +24,15 @@ def model(request) -> LoadedModel:
     return cuda_shaped(request.getfixturevalue(request.param))
 
 
-def engine_steps(model: LoadedModel, requests: list[tuple[list[int], dict]], **backend) -> list[list]:
-    """The launches of each engine step, until the requests finish."""
+def engine_steps(model: LoadedModel, requests: list[tuple[list[int], dict]], later: list[tuple[list[int], dict]] = (),
+                 config: EngineConfig = EngineConfig(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=256),
+                 **backend) -> list[list]:
+    """The launches of each engine step, until the requests finish (`later` ones added
+    after the first step)."""
     with recording_pycuda() as launches:
         from engine.backends.cuda.backend import CudaBackend
 
-        engine = LLMEngine(model, CudaBackend(model.config, model.model_weights(), graph_max_batch=16, **backend),
-                           EngineConfig(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=256))
+        engine = LLMEngine(model, CudaBackend(model.config, model.model_weights(), graph_max_batch=16, **backend), config)
         for i, (prompt, params) in enumerate(requests):
             engine.add(engine.make_sequence(f"r{i}", prompt, SamplingParams(**params)))
         steps = []
@@ -38,6 +40,8 @@ def engine_steps(model: LoadedModel, requests: list[tuple[list[int], dict]], **b
             launches.clear()
             engine.step()
             steps.append(list(launches))
+            for i, (prompt, params) in enumerate(later if len(steps) == 1 else ()):
+                engine.add(engine.make_sequence(f"later{i}", prompt, SamplingParams(**params)))
     return steps
 
 
@@ -70,6 +74,33 @@ def test_a_step_that_samples_nothing_still_runs_the_model(model):
         assert kernels["embedding_gather"] == 1 and kernels["prefill_attention_partial"] == model.config.num_layers
         assert "sample_tokens" not in kernels
     assert Counter(launch.kernel for launch in steps[2])["sample_tokens"] == 1
+
+
+def test_a_step_of_thousands_of_prompt_tokens_takes_whole_contexts(model):
+    """In a step of WHOLE_CONTEXT_PROMPT prompt tokens or more, the prefill kernel takes
+    each query tile's whole context as one partition and stores the output itself: the
+    merge kernel runs over the decode rows only, if any. Smaller steps split contexts
+    and merge every row."""
+    from engine.backends.cuda.step_metadata import WHOLE_CONTEXT_PROMPT
+
+    n = WHOLE_CONTEXT_PROMPT // 2
+    prompts = [([(i + j) % 500 + 1 for i in range(n)], dict(GREEDY, max_tokens=2)) for j in range(3)]
+    config = EngineConfig(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=WHOLE_CONTEXT_PROMPT + 1)
+    steps = engine_steps(model, [(list(range(1, 20)), dict(GREEDY, max_tokens=4))], later=prompts, config=config,
+                         cuda_graphs=False)
+
+    def attention(step):
+        return ([launch for launch in step if launch.kernel == "prefill_attention_partial"],
+                [launch for launch in step if launch.kernel == "paged_attention_merge"])
+
+    prefill, merges = attention(steps[1])  # the first request's decode, the first two prompts
+    assert len(prefill) == model.config.num_layers
+    assert all(launch.args[0] == "P" and launch.grid[2] == 1 for launch in prefill)
+    assert [launch.grid[0] for launch in merges] == [1] * model.config.num_layers
+    prefill, merges = attention(steps[2])  # the rest of the prompts beside three decodes
+    tokens = next(launch.grid[0] for launch in steps[2] if launch.kernel == "embedding_gather")
+    assert prefill and all(launch.args[0] == 0 for launch in prefill)
+    assert [launch.grid[0] for launch in merges] == [tokens] * model.config.num_layers and tokens > 3
 
 
 def test_single_token_steps_fuse_where_the_layer_allows(model):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engine.backends.cuda.step_metadata import (
     FIELDS, GENERATED_TILE, PARTITION, PROMPT_TILE, SHORT_CONTEXT, SHORT_PARTITION, SMALL_DECODE, SMALL_PROMPT,
-    StepShape, attention_partition,
+    WHOLE_CONTEXT_PROMPT, StepShape, attention_partition, whole_context_prompt,
     build_metadata, decode_shape, field_sizes, prompt_shape, step_shape,
 )
 from engine.sampling_params import SamplingParams
@@ -162,3 +162,9 @@ def test_steps_bound_by_latency_take_short_partitions_unless_invariant():
     tail = prompt_shape(SMALL_PROMPT, max_blocks=256, max_context=4096, query_rows=QUERY_ROWS, invariant=False)
     assert (tail.partition, tail.partitions, tail.small_decode) == (SHORT_PARTITION, 4096 // SHORT_PARTITION, False)
     assert prompt_shape(2 * SMALL_PROMPT, 256, 4096, QUERY_ROWS, invariant=False).partition == PARTITION
+
+
+def test_only_steps_of_thousands_of_prompt_tokens_take_whole_contexts():
+    assert whole_context_prompt(WHOLE_CONTEXT_PROMPT, invariant=False)
+    assert not whole_context_prompt(WHOLE_CONTEXT_PROMPT - 1, invariant=False)
+    assert not whole_context_prompt(WHOLE_CONTEXT_PROMPT, invariant=True)

@@ -33,6 +33,7 @@ class StepBuffers:
     @staticmethod
     def layout(c: ModelConfig, shape: StepShape) -> dict[str, tuple[tuple[int, ...], type]]:
         T, P, rows, sample_rows = shape.tokens, shape.partitions, shape.rows, max(1, shape.head_rows)
+        partial = shape.partial_rows
         return {
             "meta": ((sum(field_sizes(shape)),), np.int32),
             "residual": ((T, c.hidden_size), np.float32),
@@ -42,9 +43,9 @@ class StepBuffers:
             "delta": ((rows, c.hidden_size), np.uint16),
             "gate_up": ((rows, 2 * c.intermediate_size), np.uint16),
             "act": ((rows, c.intermediate_size), np.uint16),
-            "part_acc": ((T, c.num_heads, P, c.head_dim), np.float32),
-            "part_max": ((T, c.num_heads, P), np.float32),
-            "part_sum": ((T, c.num_heads, P), np.float32),
+            "part_acc": ((partial, c.num_heads, P, c.head_dim), np.float32),
+            "part_max": ((partial, c.num_heads, P), np.float32),
+            "part_sum": ((partial, c.num_heads, P), np.float32),
             "final": ((sample_rows, c.hidden_size), np.uint16),
             "logits": ((sample_rows, c.vocab_size), np.float32),
         }

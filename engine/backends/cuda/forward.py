@@ -121,17 +121,19 @@ class LayerLaunches:
     def attention(self, qkv: gpuarray.GPUArray) -> gpuarray.GPUArray:
         """Partial results per context partition, for decode rows (and the padding between
         the segments) from the decode kernel and for prompt rows from the prefill kernel,
-        then the merge kernel over all rows; in a small decode step the decode kernel
-        merges them itself (see step_metadata.is_small_decode)."""
+        then the merge kernel over those rows; in a small decode step the decode kernel
+        merges them itself (step_metadata.is_small_decode), and a whole-context prompt's
+        rows get their output from the prefill kernel (step_metadata.whole_context_prompt)."""
         k, st, shape, a, b = self.k, self.st, self.shape, self.attention_inputs, self.b
         decode_rows = shape.tokens - shape.prompt
         if decode_rows:
             arrivals = self.fwd.arrivals if shape.small_decode else None
             k.paged_attention_partial(st, b.attn, arrivals, a, self.kc, self.vc, decode_rows)
         if shape.prompt_tiles:
-            k.prefill_attention_partial(st, a, self.kc, self.vc, self.m["prompt_tiles"], shape.prompt_tiles)
-        if not shape.small_decode:
-            k.paged_attention_merge(st, b.attn, a, shape.tokens)
+            out = b.attn if shape.whole_context_prompt else None
+            k.prefill_attention_partial(st, out, a, self.kc, self.vc, self.m["prompt_tiles"], shape.prompt_tiles)
+        if not shape.small_decode and shape.partial_rows:
+            k.paged_attention_merge(st, b.attn, a, shape.partial_rows)
         return b.attn
 
     def silu_and_mul(self, gate_up) -> gpuarray.GPUArray:

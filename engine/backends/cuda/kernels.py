@@ -22,6 +22,7 @@ CUDA_SRC = Path(__file__).resolve().parents[3] / "cuda_src"
 ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS, PREFILL_M_TILE = 128, 64  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
+WHOLE_CONTEXT = 2**30  # a partition longer than any context
 GEMV_WARPS = 8  # as in gemv.cu
 GEMV_UNROLL = 8  # a lane's 16-byte loads in flight (UNROLL in gemv.cu)
 GEMV_SLICE = 2048  # bfloat16 columns of one warp's loads (SPAN * UNROLL in gemv.cu)
@@ -43,7 +44,7 @@ SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i in
     "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
     "paged_attention_partial": ("attention.cu", "PPPPPPPPPiPPiiiif"),
     "paged_attention_merge": ("attention.cu", "PPPPPii"),
-    "prefill_attention_partial": ("attention.cu", "PPPPPPPiPPPiiiif"),
+    "prefill_attention_partial": ("attention.cu", "PPPPPPPPiPPPiiiif"),
     "silu_and_mul": ("activation.cu", "PPi"),
     "gemv": ("gemv.cu", "PiPPii"),
     "gemv_add": ("gemv.cu", "PPPii"),
@@ -194,7 +195,15 @@ class PagedAttention:
 
     @functools.cached_property
     def sizes(self) -> tuple:
-        return (np.int32(self.heads), np.int32(self.kv_heads), np.int32(self.block_size), np.int32(self.partition),
+        return self._sizes(self.partition)
+
+    @functools.cached_property
+    def whole_context_sizes(self) -> tuple:
+        """The sizes with one partition longer than any context."""
+        return self._sizes(WHOLE_CONTEXT)
+
+    def _sizes(self, partition: int) -> tuple:
+        return (np.int32(self.heads), np.int32(self.kv_heads), np.int32(self.block_size), np.int32(partition),
                 np.float32(self.scale))
 
 
@@ -273,12 +282,15 @@ class Kernels:
             (rows, attention.kv_heads, attention.partitions), (ATTENTION_THREADS, 1, 1), stream, ptr(out), ptr(arrivals),
             *attention.inputs(k_cache, v_cache), *attention.sizes)
 
-    def prefill_attention_partial(self, stream, attention: PagedAttention, k_cache, v_cache, tiles, num_tiles: int) -> None:
+    def prefill_attention_partial(self, stream, out, attention: PagedAttention, k_cache, v_cache, tiles,
+                                  num_tiles: int) -> None:
         """Prompt attention over a layer's cache by query tiles ((first row, rows) pairs in
-        `tiles`), a block per (tile, KV head, partition), into the partial results."""
+        `tiles`), a block per (tile, KV head, partition), into the partial results; or,
+        given `out`, a block per (tile, KV head) over the tile's whole context, into out."""
+        partitions, sizes = (attention.partitions, attention.sizes) if out is None else (1, attention.whole_context_sizes)
         self.functions["prefill_attention_partial"].prepared_async_call(
-            (num_tiles, attention.kv_heads, attention.partitions), (PREFILL_THREADS, 1, 1), stream,
-            *attention.inputs(k_cache, v_cache), ptr(tiles), *attention.sizes)
+            (num_tiles, attention.kv_heads, partitions), (PREFILL_THREADS, 1, 1), stream, ptr(out),
+            *attention.inputs(k_cache, v_cache), ptr(tiles), *sizes)
 
     def paged_attention_merge(self, stream, out, attention: PagedAttention, tokens: int) -> None:
         """out[t, h] = the partial results of the partitions token t's context spans, merged."""

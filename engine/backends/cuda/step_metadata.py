@@ -16,7 +16,9 @@ tile are dummy tokens that read and write only the dummy KV block.
 In either layout, generated rows go through the decode attention kernel
 (paged_attention_partial) and prompt rows through the prefill one
 (prefill_attention_partial), in query tiles of up to `query_rows` consecutive rows of
-one sequence.
+one sequence; both split contexts into partitions whose partial results a merge
+kernel combines, except in a step of thousands of prompt tokens, whose prompt rows
+take their whole contexts at once (whole_context_prompt).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ SMALL_PROMPT = 64  # and so do prompt steps of up to this many (a prompt's tail 
 # in contexts of up to SHORT_CONTEXT. Past it, whole partitions already give the SMs
 # blocks enough, and short ones would multiply the partial results to write and merge.
 SHORT_CONTEXT = 4096
+WHOLE_CONTEXT_PROMPT = 4096  # prompt steps of at least this many tokens: one partition a context (whole_context_prompt)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class StepShape:
     partition: int  # context positions per attention partition (attention_partition)
     partitions: int  # attention partitions of the longest context
     invariant: bool  # GEMMs in fixed tiles (batch invariance), not one over all rows
+    whole_context_prompt: bool  # prompt rows' attention in one partition, no merge (whole_context_prompt)
 
     @property
     def small_decode(self) -> bool:
@@ -62,6 +66,12 @@ class StepShape:
     def tokens(self) -> int:
         """Rows the per-token kernels run over (the padding between the segments included)."""
         return self.generated_rows + self.prompt if self.prompt else self.generated
+
+    @property
+    def partial_rows(self) -> int:
+        """Rows whose attention leaves partial results to merge: the first ones, all but a
+        whole-context prompt's."""
+        return self.tokens - self.prompt if self.whole_context_prompt else self.tokens
 
     @property
     def rows(self) -> int:
@@ -131,6 +141,16 @@ def attention_partition(generated: int, prompt: int, context: int, invariant: bo
     return PARTITION
 
 
+def whole_context_prompt(prompt: int, invariant: bool) -> bool:
+    """Whether a step's prompt rows take each query tile's whole context in one
+    partition, whose block stores their output (attention.cu). A step of this many
+    prompt tokens has query tiles enough to fill the GPU several times over unsplit, and
+    its partial results would cost more than the split gains: at 32,768 positions, 4 GB
+    a layer to write and read again for an 8,192-token chunk at 512-position partitions.
+    With batch invariance every step splits contexts alike."""
+    return not invariant and prompt >= WHOLE_CONTEXT_PROMPT
+
+
 def step_shape(batch: list[ScheduledSeq], query_rows: int, invariant: bool) -> StepShape:
     starts, counts, prompt_lens = _columns(batch)
     prompt = _prompt_counts(starts, counts, prompt_lens)
@@ -147,6 +167,7 @@ def step_shape(batch: list[ScheduledSeq], query_rows: int, invariant: bool) -> S
         partition=partition,
         partitions=math.ceil(longest / partition),
         invariant=invariant,
+        whole_context_prompt=whole_context_prompt(int(prompt.sum()), invariant),
     )
 
 
@@ -156,7 +177,8 @@ def decode_shape(batch_size: int, max_blocks: int, max_context: int, invariant: 
     partition = attention_partition(batch_size, 0, max_context, invariant)
     return StepShape(generated=batch_size, generated_rows=_round_up(batch_size, GENERATED_TILE if invariant else 1),
                      prompt=0, prompt_tiles=0, samples=batch_size, seqs=batch_size, max_blocks=max_blocks,
-                     partition=partition, partitions=math.ceil(max_context / partition), invariant=invariant)
+                     partition=partition, partitions=math.ceil(max_context / partition), invariant=invariant,
+                     whole_context_prompt=False)
 
 
 def prompt_shape(tokens: int, max_blocks: int, max_context: int, query_rows: int, invariant: bool) -> StepShape:
@@ -167,7 +189,7 @@ def prompt_shape(tokens: int, max_blocks: int, max_context: int, query_rows: int
     partition = attention_partition(0, tokens, max_context, invariant)
     return StepShape(generated=0, generated_rows=0, prompt=tokens, prompt_tiles=-(-tokens // query_rows) + 1, samples=1,
                      seqs=2, max_blocks=max_blocks, partition=partition, partitions=math.ceil(max_context / partition),
-                     invariant=invariant)
+                     invariant=invariant, whole_context_prompt=whole_context_prompt(tokens, invariant))
 
 
 def _input_ids(s: ScheduledSeq, previous_samples: dict[Sequence, int] | None) -> list[int]:
