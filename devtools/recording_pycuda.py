@@ -110,7 +110,7 @@ def _modules(memory: _Memory, launches: list[Launch]) -> dict[str, types.ModuleT
 
     def empty(shape, dtype, allocator=None):
         host = np.zeros(shape, dtype)
-        return _GPUArray(host, memory.allocate(host.nbytes))
+        return _GPUArray(host, memory.allocate(host.nbytes) if host.size else None)  # (as PyCUDA: nothing for nothing)
 
     def to_gpu(values, allocator=None, stream=None):
         array = empty(np.shape(values), np.asarray(values).dtype)

@@ -93,6 +93,8 @@ def test_a_step_of_thousands_of_prompt_tokens_takes_whole_contexts(model):
         return ([launch for launch in step if launch.kernel == "prefill_attention_partial"],
                 [launch for launch in step if launch.kernel == "paged_attention_merge"])
 
+    prefill, merges = attention(engine_steps(model, prompts[:2], config=config, cuda_graphs=False)[0])
+    assert all(launch.args[0] == "P" and launch.grid[2] == 1 for launch in prefill) and not merges  # (prompts alone)
     prefill, merges = attention(steps[1])  # the first request's decode, the first two prompts
     assert len(prefill) == model.config.num_layers
     assert all(launch.args[0] == "P" and launch.grid[2] == 1 for launch in prefill)

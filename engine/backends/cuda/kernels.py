@@ -65,12 +65,15 @@ _NULL = np.uintp(0)
 
 
 def ptr(a: Any) -> np.uintp:
-    """A pointer argument from a GPUArray, an allocation, an address or None."""
+    """A pointer argument from a GPUArray (null where it is empty: PyCUDA allocates
+    nothing for it), an allocation, an address or None."""
     if a is None:
         return _NULL
     if isinstance(a, np.uintp):
         return a
-    return np.uintp(int(a.gpudata) if hasattr(a, "gpudata") else int(a))
+    if hasattr(a, "gpudata"):
+        return _NULL if a.gpudata is None else np.uintp(int(a.gpudata))
+    return np.uintp(int(a))
 
 
 def prefill_query_rows(group: int) -> int:
