@@ -22,7 +22,7 @@ from engine.config import ModelConfig
 from engine.model_loader import LoadedModel
 from engine.output import OutputStream, RequestOutput, Usage
 from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler
+from engine.scheduler import DEFAULT_OUTPUT_RESERVE, ScheduledSeq, Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.structured import (DEFAULT_MAX_GRAMMAR_BYTES, Guide, GuideCompiler, accept_tokens, fill_masks,
                                start_filling_masks)
@@ -39,7 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's, within the KV cache
     enable_prefix_caching: bool = True
-    output_reserve: float = 0.0  # admission's room for outputs to come (Scheduler), 0 to 1
+    output_reserve: float = DEFAULT_OUTPUT_RESERVE  # admission's room for outputs to come (Scheduler), 0 to 1
     record_kv_events: bool = False  # for take_kv_events (a gateway's cache-aware routing)
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # the largest structured-output constraint taken
 

@@ -30,6 +30,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import load_model
 from engine.structured import DEFAULT_MAX_GRAMMAR_BYTES
 from engine.sampling_params import SamplingParams
+from engine.scheduler import DEFAULT_OUTPUT_RESERVE
 from llamastream.v1 import generation_pb2 as pb
 from llamastream.v1 import generation_pb2_grpc as pb_grpc
 from server.engine_client import EngineClient, EngineProcess, InProcessEngine
@@ -67,7 +68,7 @@ class ServerConfig:
     enforce_eager: bool = False  # cuda backend: no CUDA graphs
     batch_invariant: bool = False  # cuda backend: a token's result independent of its batch
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes already computed
-    output_reserve: float = 0.0  # admission's room for outputs to come (engine/scheduler.py)
+    output_reserve: float = DEFAULT_OUTPUT_RESERVE  # admission's room for outputs to come (engine/scheduler.py)
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # default: the backend's (DEFAULT_TOKEN_BUDGETS)
     max_model_len: int | None = None

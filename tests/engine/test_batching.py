@@ -29,7 +29,7 @@ def reference(tiny_model):
     ("one batch", dict(), False),
     ("arrivals mid-decode", dict(), True),
     ("chunked prefill", dict(max_num_batched_tokens=7), True),
-    ("preemption by a tiny cache", dict(num_kv_blocks=30, block_size=4), True),
+    ("preemption by a tiny cache", dict(num_kv_blocks=30, block_size=4, output_reserve=0.0), True),
     ("few sequences at a time", dict(max_num_seqs=2, block_size=1, num_kv_blocks=400), True),
 ])
 def test_batched_equals_alone(tiny_model, reference, label, config, late):
@@ -48,7 +48,7 @@ def test_smollm2_batched_equals_alone(smollm2):
     chats = ["What is the capital of France?", "Write a haiku about the sea.", "Count to five."]
     ids = [tok.encode_chat([{"role": "user", "content": c}])[0] for c in chats] + [tok.encode("The weather today")]
     expected = [alone(smollm2, p, 12) for p in ids]
-    engine = make_engine(smollm2, num_kv_blocks=6, max_num_batched_tokens=24)  # chunked and preempting
+    engine = make_engine(smollm2, num_kv_blocks=6, max_num_batched_tokens=24, output_reserve=0.0)  # chunked and preempting
     seqs = [engine.make_sequence(f"r{i}", p, greedy(12)) for i, p in enumerate(ids)]
     outputs = run(engine, seqs[:2], {2: seqs[2:]})
     assert [tokens(outputs[f"r{i}"]) for i in range(len(ids))] == expected

@@ -61,7 +61,8 @@ class LaunchLog:
         return counted_wait
 
 
-@pytest.mark.parametrize("config", [dict(), dict(max_num_batched_tokens=16), dict(num_kv_blocks=8, max_num_batched_tokens=24)],
+@pytest.mark.parametrize("config", [dict(), dict(max_num_batched_tokens=16),
+                                    dict(num_kv_blocks=8, max_num_batched_tokens=24, output_reserve=0.0)],
                          ids=["one batch", "chunked prefill", "preemption"])
 @pytest.mark.parametrize("penalised", [False, True], ids=["run ahead", "with a penalised request"])
 def test_overlapped_steps_emit_what_plain_steps_do(smollm2, prompts, stops, config, penalised):

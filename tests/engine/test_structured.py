@@ -184,7 +184,7 @@ def test_preempted_and_recomputed_outputs_still_hold(engine):
     guide picks up where its output is (greedy: the same text as without preemption)."""
     model = engine.model
     small = LLMEngine(model, create_backend("cpu", model.config, model.model_weights()),
-                      EngineConfig(num_kv_blocks=14, max_num_seqs=8, max_num_batched_tokens=128))
+                      EngineConfig(num_kv_blocks=14, max_num_seqs=8, max_num_batched_tokens=128, output_reserve=0.0))
     requests = [(chat(engine, f"Person number {i} as JSON."),
                  SamplingParams(max_tokens=60, constraint=Constraint("json_schema", json.dumps(SCHEMAS[0])), **GREEDY))
                 for i in range(6)]
