@@ -25,6 +25,9 @@ from server.streams import AsyncOutputs, EngineStopped, OutputHub, StreamBacklog
 
 log = logging.getLogger("llamastream.server")
 PREPARE_THREADS = 4  # requests tokenized at once (the tokenizer releases the GIL)
+# A call cancelled this close to its deadline ended by it: the client's clock started
+# first, so its expiry can reach a busy server as a cancellation before the server's own.
+DEADLINE_SLACK_S = 0.25
 T = TypeVar("T")
 
 
@@ -55,7 +58,8 @@ class Requests:
         except (asyncio.CancelledError, GeneratorExit):
             if not record.ended:
                 remaining = context.time_remaining()
-                record.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+                expired = remaining is not None and remaining <= DEADLINE_SLACK_S
+                record.status = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
             raise
         finally:
             self.observer.finished(record)

@@ -85,7 +85,8 @@ def test_a_step_of_thousands_of_prompt_tokens_takes_whole_contexts(model):
 
     n = WHOLE_CONTEXT_PROMPT // 2
     prompts = [([(i + j) % 500 + 1 for i in range(n)], dict(GREEDY, max_tokens=2)) for j in range(3)]
-    config = EngineConfig(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=WHOLE_CONTEXT_PROMPT + 1)
+    config = EngineConfig(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=WHOLE_CONTEXT_PROMPT + 1,
+                          output_reserve=0.0)  # (admission takes all the budget allows: the steps below)
     steps = engine_steps(model, [(list(range(1, 20)), dict(GREEDY, max_tokens=4))], later=prompts, config=config,
                          cuda_graphs=False)
 
