@@ -60,7 +60,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV-cache memory, the same for both schemes")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--output-reserve", default="0,0.5,1", help="paged rows: admission's reserves, comma-separated")
+    ap.add_argument("--output-reserve", default="0,0.25,0.5,1",
+                    help="paged rows: admission's reserves, comma-separated (the engine's default: 0.25)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
