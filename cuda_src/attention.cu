@@ -362,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 // stores its rows' output, acc / sum (what the merge computes for one partition): a
 // step of thousands of prompt tokens has blocks enough without splitting contexts, and
 // its partial results would be gigabytes to write and merge at long contexts (the
-// host's step_metadata.whole_context_prompt).
+// host's step_metadata.is_whole_context_prompt).
 #define PREFILL_THREADS 128            // 4 warps
 #define M_TILE 64                      // (position, head) rows per block: 16 per warp
 #define Q_POS (M_TILE / GROUP)         // query positions per tile (as the host's prefill_query_rows)

@@ -188,11 +188,11 @@ def test_fp8_cache_holds_the_bfloat16_cache_rounded_as_the_numpy_backend_rounds(
         assert (np.delete(codes, slots, axis=0) == E4M3_NAN).all(), "wrote outside the slot mapping"
 
 
-def merge_partial_results(kernels, out, attention: PagedAttention, positions: np.ndarray, partition: int) -> None:
+def merge_partial_results(kernels, out, attention: PagedAttention, positions: np.ndarray) -> None:
     """paged_attention_merge over every token, after poisoning what pass 1 left in the
     partitions past each token's context (the merge must not read it)."""
     tokens, heads, partitions = attention.part_max.shape
-    unspanned = np.arange(partitions)[None, None, :] >= (positions // partition + 1)[:, None, None]
+    unspanned = np.arange(partitions)[None, None, :] >= (positions // attention.partition + 1)[:, None, None]
     unspanned = np.broadcast_to(unspanned, (tokens, heads, partitions))
     for a in (attention.part_acc, attention.part_max, attention.part_sum):
         host = a.get()
@@ -260,10 +260,10 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
         if whole:
             assert np.isnan(part_max.get()).all(), "wrote partial results"
         else:
-            merge_partial_results(kernels, out, attention, positions, partition)
+            merge_partial_results(kernels, out, attention, positions)
     else:
         kernels.paged_attention_partial(None, out, None, attention, kc, vc, tokens)
-        merge_partial_results(kernels, out, attention, positions, partition)
+        merge_partial_results(kernels, out, attention, positions)
     got = down_bf16(out)
     q = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     start = 0

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engine.backends.cuda.step_metadata import (
     FIELDS, GENERATED_TILE, PARTITION, PROMPT_TILE, SHORT_CONTEXT, SHORT_PARTITION, SMALL_DECODE, SMALL_PROMPT,
-    WHOLE_CONTEXT_PROMPT, StepShape, attention_partition, whole_context_prompt,
+    WHOLE_CONTEXT_PROMPT, StepShape, attention_partition, is_whole_context_prompt,
     build_metadata, decode_shape, field_sizes, prompt_shape, step_shape,
 )
 from engine.sampling_params import SamplingParams
@@ -165,6 +165,6 @@ def test_steps_bound_by_latency_take_short_partitions_unless_invariant():
 
 
 def test_only_steps_of_thousands_of_prompt_tokens_take_whole_contexts():
-    assert whole_context_prompt(WHOLE_CONTEXT_PROMPT, invariant=False)
-    assert not whole_context_prompt(WHOLE_CONTEXT_PROMPT - 1, invariant=False)
-    assert not whole_context_prompt(WHOLE_CONTEXT_PROMPT, invariant=True)
+    assert is_whole_context_prompt(WHOLE_CONTEXT_PROMPT, invariant=False)
+    assert not is_whole_context_prompt(WHOLE_CONTEXT_PROMPT - 1, invariant=False)
+    assert not is_whole_context_prompt(WHOLE_CONTEXT_PROMPT, invariant=True)

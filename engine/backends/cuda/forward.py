@@ -123,7 +123,7 @@ class LayerLaunches:
         the segments) from the decode kernel and for prompt rows from the prefill kernel,
         then the merge kernel over those rows; in a small decode step the decode kernel
         merges them itself (step_metadata.is_small_decode), and a whole-context prompt's
-        rows get their output from the prefill kernel (step_metadata.whole_context_prompt)."""
+        rows get their output from the prefill kernel (step_metadata.is_whole_context_prompt)."""
         k, st, shape, a, b = self.k, self.st, self.shape, self.attention_inputs, self.b
         decode_rows = shape.tokens - shape.prompt
         if decode_rows:

@@ -18,7 +18,7 @@ In either layout, generated rows go through the decode attention kernel
 (prefill_attention_partial), in query tiles of up to `query_rows` consecutive rows of
 one sequence; both split contexts into partitions whose partial results a merge
 kernel combines, except in a step of thousands of prompt tokens, whose prompt rows
-take their whole contexts at once (whole_context_prompt).
+take their whole contexts at once (is_whole_context_prompt).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SMALL_PROMPT = 64  # and so do prompt steps of up to this many (a prompt's tail 
 # in contexts of up to SHORT_CONTEXT. Past it, whole partitions already give the SMs
 # blocks enough, and short ones would multiply the partial results to write and merge.
 SHORT_CONTEXT = 4096
-WHOLE_CONTEXT_PROMPT = 4096  # prompt steps of at least this many tokens: one partition a context (whole_context_prompt)
+WHOLE_CONTEXT_PROMPT = 4096  # prompt steps of at least this many tokens: one partition a context (is_whole_context_prompt)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,6 @@ class StepShape:
     partition: int  # context positions per attention partition (attention_partition)
     partitions: int  # attention partitions of the longest context
     invariant: bool  # GEMMs in fixed tiles (batch invariance), not one over all rows
-    whole_context_prompt: bool  # prompt rows' attention in one partition, no merge (whole_context_prompt)
 
     @property
     def small_decode(self) -> bool:
@@ -66,6 +65,11 @@ class StepShape:
     def tokens(self) -> int:
         """Rows the per-token kernels run over (the padding between the segments included)."""
         return self.generated_rows + self.prompt if self.prompt else self.generated
+
+    @property
+    def whole_context_prompt(self) -> bool:
+        """Prompt rows whose attention takes whole contexts, with no merge (is_whole_context_prompt)."""
+        return is_whole_context_prompt(self.prompt, self.invariant)
 
     @property
     def partial_rows(self) -> int:
@@ -141,7 +145,7 @@ def attention_partition(generated: int, prompt: int, context: int, invariant: bo
     return PARTITION
 
 
-def whole_context_prompt(prompt: int, invariant: bool) -> bool:
+def is_whole_context_prompt(prompt: int, invariant: bool) -> bool:
     """Whether a step's prompt rows take each query tile's whole context in one
     partition, whose block stores their output (attention.cu). A step of this many
     prompt tokens has query tiles enough to fill the GPU several times over unsplit, and
@@ -167,7 +171,6 @@ def step_shape(batch: list[ScheduledSeq], query_rows: int, invariant: bool) -> S
         partition=partition,
         partitions=math.ceil(longest / partition),
         invariant=invariant,
-        whole_context_prompt=whole_context_prompt(int(prompt.sum()), invariant),
     )
 
 
@@ -177,8 +180,7 @@ def decode_shape(batch_size: int, max_blocks: int, max_context: int, invariant: 
     partition = attention_partition(batch_size, 0, max_context, invariant)
     return StepShape(generated=batch_size, generated_rows=_round_up(batch_size, GENERATED_TILE if invariant else 1),
                      prompt=0, prompt_tiles=0, samples=batch_size, seqs=batch_size, max_blocks=max_blocks,
-                     partition=partition, partitions=math.ceil(max_context / partition), invariant=invariant,
-                     whole_context_prompt=False)
+                     partition=partition, partitions=math.ceil(max_context / partition), invariant=invariant)
 
 
 def prompt_shape(tokens: int, max_blocks: int, max_context: int, query_rows: int, invariant: bool) -> StepShape:
@@ -189,7 +191,7 @@ def prompt_shape(tokens: int, max_blocks: int, max_context: int, query_rows: int
     partition = attention_partition(0, tokens, max_context, invariant)
     return StepShape(generated=0, generated_rows=0, prompt=tokens, prompt_tiles=-(-tokens // query_rows) + 1, samples=1,
                      seqs=2, max_blocks=max_blocks, partition=partition, partitions=math.ceil(max_context / partition),
-                     invariant=invariant, whole_context_prompt=whole_context_prompt(tokens, invariant))
+                     invariant=invariant)
 
 
 def _input_ids(s: ScheduledSeq, previous_samples: dict[Sequence, int] | None) -> list[int]:
