@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import pickle
 
 import grpc
 import pytest
@@ -131,6 +132,19 @@ def test_a_reader_that_falls_behind_gets_coalesced_deltas(tiny_model):
     first, last = asyncio.run(read())
     assert first.token_ids == expected_ids and first.text == expected_text and not first.finished
     assert last.finished and last.usage.completion_tokens == 6
+
+
+def test_outputs_cross_to_the_server_process_whole(tiny_model):
+    """Every field of an engine's outputs (logprobs, stops, usage) survives the pickling
+    that carries them from the engine's process to the server's."""
+    engine = make_engine(tiny_model)
+    params = SamplingParams(temperature=0.0, max_tokens=5, top_logprobs=2, ignore_eos=True)
+    engine.add(engine.make_sequence("r", [3, 4, 5], params))
+    produced = []
+    while engine.has_work():
+        produced += engine.step()
+    assert produced[-1].usage is not None and produced[-1].logprobs[0].top
+    assert pickle.loads(pickle.dumps(produced)) == produced
 
 
 def test_a_stream_waiting_on_a_stopped_engine_ends():
