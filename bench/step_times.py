@@ -52,7 +52,8 @@ def main() -> None:
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
     prefill = []
     for i in range(RUNS):
-        engine.add(engine.make_sequence(f"p{i}", list(range(2000, 3024)), SamplingParams(temperature=0.0, max_tokens=1)))
+        prompt = list(range(2000 + i, 3024 + i))  # (each its own: a repeat would find the last one's prefix cached)
+        engine.add(engine.make_sequence(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=1)))
         prefill.append(timed_step(engine, backend))
         while engine.has_work():
             engine.step()
