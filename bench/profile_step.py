@@ -2,9 +2,9 @@
 every launch and GEMM of an eager step): a 1024-token prefill, a decode step at batch 1
 with a 200-token context and one at batch 256 with ~850-token contexts; then, with CUDA
 graphs, the wall time of a batch-1 engine step beside the GPU time of its graph replay,
-and the kernels and GEMMs of that step, and of 64 prompt tokens after 1,024 cached,
-timed as a graph runs them (each one's launches replayed alone in a graph with
-programmatic launches); and the bandwidth cuBLAS reaches on each
+and the kernels and GEMMs of that step, of 64 prompt tokens after 1,024 cached and of
+a 1,024-token prompt, timed as a graph runs them (each one's launches replayed alone in
+a graph with programmatic launches); and the bandwidth cuBLAS reaches on each
 weight matrix at 1 to 256 rows, and our GEMV at one row, launched one by one and as a
 decode graph runs it, back to back with programmatic launches (`graph`). Llama 3.2 1B
 shape, bfloat16, random weights.
@@ -138,6 +138,11 @@ def tail_after_cached_prefix(engine: LLMEngine) -> None:
     engine.add(engine.make_sequence("tail", prefix + list(range(3000, 3064)), params))
 
 
+def prompt_of_1024(engine: LLMEngine) -> None:
+    """Up to a 1,024-token prompt on an idle engine: its step computes all of it."""
+    engine.add(engine.make_sequence("prompt", list(range(2000, 3024)), SamplingParams(temperature=0.0, max_tokens=1)))
+
+
 def graph_kernel_table(model, title: str, prepare) -> None:
     """A step's kernels as a CUDA graph runs them. Events around each launch of an eager
     step (the table further down) add a gap per launch that a graph does not have, so
@@ -232,6 +237,7 @@ def main() -> None:
     graph_step_times(model)
     graph_kernel_table(model, "batch-1 decode step (context 129)", decode_at_129)
     graph_kernel_table(model, "64 prompt tokens after 1,024 cached", tail_after_cached_prefix)
+    graph_kernel_table(model, "a 1,024-token prompt", prompt_of_1024)
     backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False)
     gemm_table(backend)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192))
