@@ -135,8 +135,8 @@ def test_a_reader_that_falls_behind_gets_coalesced_deltas(tiny_model):
 
 
 def test_outputs_cross_to_the_server_process_whole(tiny_model):
-    """Every field of an engine's outputs (logprobs, stops, usage) survives the pickling
-    that carries them from the engine's process to the server's."""
+    """Every field of an engine's outputs (logprobs, the finish reason, usage) survives
+    the pickling that carries them from the engine's process to the server's."""
     engine = make_engine(tiny_model)
     params = SamplingParams(temperature=0.0, max_tokens=5, top_logprobs=2, ignore_eos=True)
     engine.add(engine.make_sequence("r", [3, 4, 5], params))
