@@ -31,6 +31,7 @@ from engine.backends import create_backend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.scheduler import DEFAULT_OUTPUT_RESERVE  # noqa: E402
 
 
 def run(model, backend, block_size: int, num_blocks: int, reserve: float, args, prompts, outputs) -> dict:
@@ -60,8 +61,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV-cache memory, the same for both schemes")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--output-reserve", default="0,0.25,0.5,1",
-                    help="paged rows: admission's reserves, comma-separated (the engine's default: 0.25)")
+    ap.add_argument("--output-reserve", default=f"0,{DEFAULT_OUTPUT_RESERVE},0.5,1",
+                    help="paged rows: admission's reserves, comma-separated (the engine's default among them)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model

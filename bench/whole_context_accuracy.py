@@ -23,24 +23,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu_accuracy import rel  # noqa: E402
 from devtools.checkpoints import LLAMA_32_1B, QWEN3_06B, make_model  # noqa: E402
 from devtools.probes import our_logits  # noqa: E402
 from engine.backends.cuda import step_metadata  # noqa: E402
 from engine.backends.cuda.backend import CudaBackend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
+from engine.sampler import log_softmax  # noqa: E402
 
 THRESHOLDS = {"split": 2**30, "whole": 1}  # WHOLE_CONTEXT_PROMPT: never, always
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64) - x.max()
-    return x - np.log(np.exp(x).sum())
-
-
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def compare(name: str, shape: dict, hf_class: str, lengths: list[int], seed: int) -> None:
@@ -68,10 +60,10 @@ def compare(name: str, shape: dict, hf_class: str, lengths: list[int], seed: int
                 step_metadata.WHOLE_CONTEXT_PROMPT = threshold
                 logits[key] = our_logits(engine, ids)
             best = int(ref.argmax())
-            exact = log_softmax(ref)[best]
+            exact = log_softmax(ref.astype(np.float64))[best]
             for key, values in logits.items():
                 errors[key][0].append(rel(values, ref))
-                errors[key][1].append(abs(log_softmax(values)[best] - exact))
+                errors[key][1].append(abs(log_softmax(values.astype(np.float64))[best] - exact))
             print(f"{n:>6} | " + " | ".join(f"{e[0][-1]:10.2e} / {e[1][-1]:9.2e}" for e in errors.values()))
         print(f"{'mean':>6} | " + " | ".join(f"{np.mean(e[0]):10.2e} / {np.mean(e[1]):9.2e}" for e in errors.values()))
 
