@@ -555,13 +555,16 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
 
 // Pass 2: out[t, h, :] over the partitions token t's context spans (merge_partitions).
 // A CUDA graph's launch covers its longest context (8 partitions at 4,096), and most
-// tokens span one or two. grid: (tokens, heads); block: HEAD_DIM.
+// tokens span one or two. grid: (tokens, KV heads); block: (HEAD_DIM, query heads a KV
+// head): a block of HEAD_DIM threads a head made a 1,024-token prompt's merge 40 µs a
+// layer, most of it spent starting 32,768 small blocks.
 extern "C" __global__ void paged_attention_merge(bf16* __restrict__ out, const float* __restrict__ part_acc,
                                                  const float* __restrict__ part_max,
                                                  const float* __restrict__ part_sum, const int* __restrict__ positions,
                                                  int partition, int partitions) {
     await_previous_kernel();
-    const int t = blockIdx.x, h = blockIdx.y, heads = gridDim.y, d = threadIdx.x;
+    const int t = blockIdx.x, h = blockIdx.y * blockDim.y + threadIdx.y, heads = gridDim.y * blockDim.y;
+    const int d = threadIdx.x;
     const int spanned = min(partitions, positions[t] / partition + 1);
     out[((size_t)t * heads + h) * HEAD_DIM + d] =
         to_bf16(merge_partitions(part_acc, part_max, part_sum, ((size_t)t * heads + h) * partitions, spanned, d));

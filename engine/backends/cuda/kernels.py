@@ -299,7 +299,7 @@ class Kernels:
         """out[t, h] = the partial results of the partitions token t's context spans, merged."""
         a = attention
         self.functions["paged_attention_merge"].prepared_async_call(
-            (tokens, a.heads), (self.head_dim, 1, 1), stream, ptr(out), *a.results, ptr(a.positions),
+            (tokens, a.kv_heads), (self.head_dim, a.heads // a.kv_heads, 1), stream, ptr(out), *a.results, ptr(a.positions),
             np.int32(a.partition), np.int32(a.partitions))
 
     # -- activation.cu ------------------------------------------------------------------
