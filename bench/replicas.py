@@ -12,6 +12,8 @@ on it fail, every other one is served, and the launcher starts it again on its G
     python3 bench/replicas.py --model DIR --gpus 0,1 --vocab 128000 --server-arg=--max-num-seqs=256
     python3 bench/replicas.py --gpus 0,1 --device cpu --num-prompts 16 --input-len 16:64 --output-len 16:32
         (a fake device list: the replicas run on the CPU, each seeing its "GPU")
+    python3 bench/replicas.py --model DIR --replicas 2 --vocab 128000 --server-arg=--gpu-memory-utilization=0.45
+        (two replicas sharing one GPU, each sizing its KV cache from its share)
 """
 
 from __future__ import annotations
@@ -40,17 +42,18 @@ from server.gateway import REPLICA_STARTED, model_directory, wait_serving  # noq
 
 
 class Launcher:
-    """`llamastream gateway` on `gpus`, its log in a temporary file."""
+    """`llamastream gateway` with `replicas` placed by `placement` (its --gpus or
+    --replicas flag), its log in a temporary file."""
 
-    def __init__(self, model: Path, gpus: list[str], serve_args: list[str]):
-        self.port, self.grpc_port = free_port(), free_ports(len(gpus))  # (replica i on grpc_port + i)
+    def __init__(self, model: Path, replicas: int, placement: list[str], serve_args: list[str]):
+        self.port, self.grpc_port = free_port(), free_ports(replicas)  # (replica i on grpc_port + i)
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "gateway", "--gpus", ",".join(gpus), "--host", "127.0.0.1",
+            [sys.executable, "-m", "server", "gateway", *placement, "--host", "127.0.0.1",
              "--port", str(self.port), "--grpc-port", str(self.grpc_port), "--gateway-metrics-port", str(free_port()),
              "--policy", "round_robin", "--model", str(model), "--", *serve_args],
             stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        self.addresses = [f"127.0.0.1:{self.grpc_port + i}" for i in range(len(gpus))]
+        self.addresses = [f"127.0.0.1:{self.grpc_port + i}" for i in range(replicas)]
         self.url, self.model = f"http://127.0.0.1:{self.port}", model.name
 
     def logged(self) -> str:
@@ -148,10 +151,20 @@ def kill_one_mid_load(launcher: Launcher, prompts: list[str], outputs: list[int]
     return {**result, "killed_replica": victim, "restarted_in_s": restarted, "restarted_answer": answer}
 
 
+def placements(args) -> dict[int, list[str]]:
+    """The launcher's flags by replica count: one replica, then the largest run."""
+    if args.replicas:
+        return {n: ["--replicas", str(n)] for n in sorted({1, args.replicas})}
+    return {n: ["--gpus", ",".join(gpus[:n])] for n in sorted({1, len(gpus)})}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a Hugging Face directory or GGUF file (default: the embedded model)")
-    ap.add_argument("--gpus", default="0,1", help="the GPUs of the largest run, comma-separated (default 0,1)")
+    place = ap.add_mutually_exclusive_group()
+    place.add_argument("--gpus", default="0,1", help="the GPUs of the largest run, comma-separated (default 0,1)")
+    place.add_argument("--replicas", type=int, help="instead of --gpus: this many replicas sharing the visible GPU(s) "
+                                                     "in the largest run (give each its share of GPU memory)")
     ap.add_argument("--device", default="cuda", help="the replicas' --device (cpu with a fake --gpus list)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra flag for every replica (repeatable)")
     ap.add_argument("--num-prompts", type=int, default=256)
@@ -165,7 +178,6 @@ def main() -> None:
     args = ap.parse_args()
 
     model = model_directory(args.model)
-    gpus = [g.strip() for g in args.gpus.split(",")]
     rng = np.random.default_rng(args.seed)
     (lo_in, hi_in), (lo_out, hi_out) = (map(int, r.split(":")) for r in (args.input_len, args.output_len))
     vocab = args.vocab or json.loads((model / "config.json").read_text())["vocab_size"]
@@ -173,24 +185,27 @@ def main() -> None:
                        for _ in range(args.num_prompts)], model)
     outputs = rng.integers(lo_out, hi_out + 1, args.num_prompts).tolist()
     serve_args = ["--device", args.device, *args.server_arg]
-    print(f"{model.name} on {args.device}, GPUs {args.gpus}; {args.num_prompts} requests, input {args.input_len}, "
+    runs = placements(args)
+    largest = max(runs)
+    where = f"{largest} replicas sharing the GPU(s)" if args.replicas else f"GPUs {args.gpus}"
+    print(f"{model.name} on {args.device}, {where}; {args.num_prompts} requests, input {args.input_len}, "
           f"output {args.output_len}, at most {args.max_concurrency} in flight; prompts as text on both paths")
     print(f"{'replicas':>8} | {'path':>7} | {'ok':>4} | {'fail':>4} | {'out tok/s':>9} | {'TTFT p50/p90/p99 ms':>23} | "
           f"{'TPOT p50/p90/p99 ms':>20}")
     results = {}
-    for n in sorted({1, len(gpus)}):
-        launcher = Launcher(model, gpus[:n], serve_args)
+    for n, placement in runs.items():
+        launcher = Launcher(model, n, placement, serve_args)
         try:
             launcher.wait_ready()
             results[n] = measure(launcher, prompts, outputs, args)
-            if n == len(gpus) and n > 1:
+            if n == largest > 1:
                 results["kill"] = kill_one_mid_load(launcher, prompts, outputs, args)
         finally:
             launcher.stop()
-    if len(gpus) > 1:
+    if largest > 1:
         for path in ("gateway", "gRPC"):
-            gain = results[len(gpus)][path]["output_tokens_per_s"] / results[1][path]["output_tokens_per_s"]
-            print(f"{path}: {len(gpus)} replicas {gain:.2f}x one")
+            gain = results[largest][path]["output_tokens_per_s"] / results[1][path]["output_tokens_per_s"]
+            print(f"{path}: {largest} replicas {gain:.2f}x one")
         k = results["kill"]
         print(f"replica {k['killed_replica']} killed {args.kill_after:g} s into the load through the gateway: "
               f"{k['completed']} served, {k['failed']} failed ({'; '.join(k['errors'])[:300] or 'none'}), "
