@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from engine.backends import cuda_unavailable_reason
+from engine.sampler import log_softmax
 from engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
 
 REASON = cuda_unavailable_reason()
@@ -33,6 +34,11 @@ def cuda_context():
     ctx.push()
     yield ctx
     cuda.Context.pop()
+
+
+def log_probs(logits: np.ndarray) -> np.ndarray:
+    """Log-softmax in float64 (the comparisons' log-probability errors are ~1e-3)."""
+    return log_softmax(np.asarray(logits, np.float64))
 
 
 def rel_l2(got: np.ndarray, ref: np.ndarray) -> float:

@@ -30,7 +30,7 @@ from engine.model_loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from tests.conftest import run, tokens
-from tests.gpu.conftest import rel_l2, require_gpu
+from tests.gpu.conftest import log_probs, rel_l2, require_gpu
 
 require_gpu()
 torch = pytest.importorskip("torch")
@@ -209,11 +209,6 @@ def test_prefix_cache_hits_equal_misses_with_batch_invariance(invariant_engine):
     assert with_cache == without == alone
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    return x - x.max() - np.log(np.exp(x - x.max()).sum())
-
-
 def logits_past(engine: LLMEngine, ids: list[int], split: int | None) -> tuple[np.ndarray, int]:
     """The last position's logits of `ids`: past its cached prefix (split None), or
     computed in two steps split at `split` (chunked prefill) without the cache; and the
@@ -253,8 +248,8 @@ def test_prefix_cache_hits_stay_near_misses_with_default_gemms(llama):
         whole = our_logits(engine, ids)
         assert cached == 592
         best = int(chunked.argmax())
-        to_chunked.append((rel_l2(hit, chunked), abs(log_softmax(hit)[best] - log_softmax(chunked)[best])))
-        to_whole.append((rel_l2(hit, whole), abs(log_softmax(hit)[best] - log_softmax(whole)[best])))
+        to_chunked.append((rel_l2(hit, chunked), abs(log_probs(hit)[best] - log_probs(chunked)[best])))
+        to_whole.append((rel_l2(hit, whole), abs(log_probs(hit)[best] - log_probs(whole)[best])))
     engine.block_manager.reset_prefix_cache()
     show = lambda pairs: ", ".join(f"{e:.1e} / {g:.1e}" for e, g in pairs)  # noqa: E731
     print(f"\ncache hit (default GEMMs), logits rel. L2 / first-token logprob gap: against the chunked miss "
@@ -467,11 +462,6 @@ def qwen3(tmp_path_factory):
     return hf, engines
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64) - x.max()
-    return x - np.log(np.exp(x).sum())
-
-
 def test_qwen3_first_tokens_and_logprobs_match_transformers(qwen3):
     """Over prompts of 1 to 2,000 tokens: our first token agrees with float32's as often
     as transformers' bfloat16 does, and the log-probability we give float32's choice is
@@ -488,9 +478,9 @@ def test_qwen3_first_tokens_and_logprobs_match_transformers(qwen3):
         best = int(ref32.argmax())
         ours_agree += int(ours.argmax()) == best
         hf_agree += int(ref16.argmax()) == best
-        exact = log_softmax(ref32)[best]
-        ours_err.append(abs(log_softmax(ours)[best] - exact))
-        hf_err.append(abs(log_softmax(ref16)[best] - exact))
+        exact = log_probs(ref32)[best]
+        ours_err.append(abs(log_probs(ours)[best] - exact))
+        hf_err.append(abs(log_probs(ref16)[best] - exact))
         print(f"\nQwen3-0.6B shape, {n}-token prompt: logits rel L2 {rel_l2(ours, ref32):.2e} against float32, "
               f"transformers bf16 {rel_l2(ref16, ref32):.2e}")
     print(f"first tokens equal to float32's: ours {ours_agree}/{len(lengths)}, transformers bf16 {hf_agree}/{len(lengths)}; "

@@ -38,7 +38,7 @@ from engine.backends.cuda.weights import fp8_linear, int4_linear  # noqa: E402
 from engine.quantization.base import QuantizedWeight  # noqa: E402
 from engine.quantization.fp8 import Fp8Weight  # noqa: E402
 from engine.weights import bf16_bits_to_f32  # noqa: E402
-from tests.gpu.conftest import bf16, rel_l2  # noqa: E402
+from tests.gpu.conftest import bf16, log_probs, rel_l2  # noqa: E402
 from engine.backends.cuda.kernels import skinny_splits  # noqa: E402
 from tests.gpu.test_kernels import (TOL, assert_skinny_gemm_is_exact_and_row_invariant, cos_sin_table, i32,  # noqa: E402
                                     kernels_for, llama3_inv_freq, poisoned_bf16, separate_add, separate_rmsnorm, up_bf16)
@@ -245,11 +245,6 @@ def hf_last_logits(hf, ids: list[int]) -> np.ndarray:
         return hf(torch.tensor([ids], device="cuda")).logits[0, -1].float().cpu().numpy()
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    return x - x.max() - np.log(np.exp(x - x.max()).sum())
-
-
 def measure(engine, hf: dict, prompts: list[list[int]]) -> dict:
     """Against the exact model over the prompts: the mean relative L2 error of the last
     position's logits, the share of first tokens (argmax) it agrees on, and the mean
@@ -263,7 +258,7 @@ def measure(engine, hf: dict, prompts: list[list[int]]) -> dict:
         top = int(exact.argmax())
         for who, got in (("ours", our_logits(engine, ids)), ("bf16", hf_last_logits(hf["bf16"], ids))):
             out[who].append((rel_l2(got, exact), int(got.argmax()) == top,
-                             abs(log_softmax(got)[top] - log_softmax(exact)[top])))
+                             abs(log_probs(got)[top] - log_probs(exact)[top])))
             if who == "ours":
                 out["logits"].append(got)
     return {who: np.mean(out[who], axis=0) for who in ("ours", "bf16")} | {"logits": out["logits"]}
