@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import random
 import time
 from dataclasses import dataclass, field
@@ -64,12 +65,15 @@ class Sequence:
     grammar: str | None = None
     guide: Guide | None = field(default=None, repr=False)
     seed: int = field(init=False)  # the request's, or a random one
-    rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # Philox, seeded per request: draws do not depend on the rest of the batch.
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(64)
-        self.rng = np.random.Generator(np.random.Philox(self.seed))
+
+    @functools.cached_property
+    def rng(self) -> np.random.Generator:
+        """Philox, seeded per request: draws do not depend on the rest of the batch. Built
+        on first use (~20 µs): the CPU backends sample with it, the GPU from the seed alone."""
+        return np.random.Generator(np.random.Philox(self.seed))
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "guide": None}  # (llguidance's matcher does not pickle)
