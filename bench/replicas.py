@@ -155,6 +155,7 @@ def placements(args) -> dict[int, list[str]]:
     """The launcher's flags by replica count: one replica, then the largest run."""
     if args.replicas:
         return {n: ["--replicas", str(n)] for n in sorted({1, args.replicas})}
+    gpus = [g.strip() for g in args.gpus.split(",")]
     return {n: ["--gpus", ",".join(gpus[:n])] for n in sorted({1, len(gpus)})}
 
 

@@ -98,6 +98,18 @@ def test_replicas_benchmark_scales_out_and_survives_a_killed_replica(tmp_path):
     assert "gateway: 2 replicas" in printed and "gRPC: 2 replicas" in printed
 
 
+def test_replicas_benchmark_runs_one_replica_then_the_largest_placement():
+    """One replica per GPU of --gpus, or --replicas sharing the GPU(s): the launcher's
+    flags for the one-replica run and for the largest."""
+    from argparse import Namespace
+
+    from bench.replicas import placements
+
+    assert placements(Namespace(replicas=None, gpus="0, 1,2")) == {1: ["--gpus", "0"], 3: ["--gpus", "0,1,2"]}
+    assert placements(Namespace(replicas=None, gpus="3")) == {1: ["--gpus", "3"]}
+    assert placements(Namespace(replicas=2, gpus="0,1")) == {1: ["--replicas", "1"], 2: ["--replicas", "2"]}
+
+
 def test_host_step_splits_a_steps_host_time_into_its_phases():
     out = subprocess.run([sys.executable, "bench/host_step.py", "--batch", "1,8", "--steps", "20"],
                          cwd=ROOT, check=True, capture_output=True, text=True, timeout=300).stdout
