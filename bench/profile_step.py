@@ -2,8 +2,8 @@
 every launch and GEMM of an eager step): a 1024-token prefill, a decode step at batch 1
 with a 200-token context and one at batch 256 with ~850-token contexts; then, with CUDA
 graphs, the wall time of a batch-1 engine step beside the GPU time of its graph replay,
-and the kernels and GEMMs of that step, of 64 prompt tokens after 1,024 cached and of
-a 1,024-token prompt, timed as a graph runs them (each one's launches replayed alone in
+and the kernels and GEMMs of that step, of 64 prompt tokens after 1,024 cached, of a
+1,024-token prompt and of that batch-256 decode step, timed as a graph runs them (each one's launches replayed alone in
 a graph with programmatic launches); and the bandwidth cuBLAS reaches on each
 weight matrix at 1 to 256 rows, and our GEMV at one row, launched one by one and as a
 decode graph runs it, back to back with programmatic launches (`graph`). Llama 3.2 1B
@@ -143,7 +143,21 @@ def prompt_of_1024(engine: LLMEngine) -> None:
     engine.add(engine.make_sequence("prompt", list(range(2000, 3024)), SamplingParams(temperature=0.0, max_tokens=1)))
 
 
-def graph_kernel_table(model, title: str, prepare) -> None:
+LARGE_BATCH = EngineConfig(num_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192)
+
+
+def decode_of_256(engine: LLMEngine) -> None:
+    """Up to a decode step of 256 sequences of ~850 tokens of context (the offline
+    workload's large steps)."""
+    rng = np.random.default_rng(256)  # (not the earlier prompts: no prefix-cache hits)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for i in range(256):
+        engine.add(engine.make_sequence(f"r{i}", rng.integers(0, 128000, 850).tolist(), params))
+    while any(s.num_uncomputed_tokens > 1 or not s.output_ids for s in engine.scheduler.running + list(engine.scheduler.waiting)):
+        engine.step()
+
+
+def graph_kernel_table(model, title: str, prepare, config: EngineConfig = EngineConfig(num_kv_blocks=4096)) -> None:
     """A step's kernels as a CUDA graph runs them. Events around each launch of an eager
     step (the table further down) add a gap per launch that a graph does not have, so
     here the launches of one eager step (after `prepare`) are recorded, and each
@@ -152,7 +166,7 @@ def graph_kernel_table(model, title: str, prepare) -> None:
     shape. The last row replays every launch in order: it should come near the step
     graph's own GPU time."""
     backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False)
-    engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
+    engine = LLMEngine(model, backend, config)
     prepare(engine)
     launches = []  # (name, function, grid, block, arguments after the stream, keywords); GEMMs: grid None
     for name, fn in backend.kernels.functions.items():
@@ -238,9 +252,10 @@ def main() -> None:
     graph_kernel_table(model, "batch-1 decode step (context 129)", decode_at_129)
     graph_kernel_table(model, "64 prompt tokens after 1,024 cached", tail_after_cached_prefix)
     graph_kernel_table(model, "a 1,024-token prompt", prompt_of_1024)
+    graph_kernel_table(model, "decode, 256 sequences at ~850 tokens", decode_of_256, LARGE_BATCH)
     backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False)
     gemm_table(backend)
-    engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192))
+    engine = LLMEngine(model, backend, LARGE_BATCH)
     timer = Timer(backend)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -254,10 +269,7 @@ def main() -> None:
     engine.step()
     report("decode step, batch 1, context 200", *timer.measure(engine))
     engine.abort("b1")
-    for i in range(256):
-        engine.add(engine.make_sequence(f"r{i}", rng.integers(0, 128000, 850).tolist(), params))
-    while any(s.num_uncomputed_tokens > 1 or not s.output_ids for s in engine.scheduler.running + list(engine.scheduler.waiting)):
-        engine.step()
+    decode_of_256(engine)
     report("decode step, batch 256, context ~850", *timer.measure(engine))
 
 
