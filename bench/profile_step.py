@@ -3,9 +3,9 @@ every launch and GEMM of an eager step): a 1024-token prefill, a decode step at 
 with a 200-token context and one at batch 256 with ~850-token contexts; then, with CUDA
 graphs, the wall time of a batch-1 engine step beside the GPU time of its graph replay,
 and the kernels and GEMMs of that step, of 64 prompt tokens after 1,024 cached, of a
-1,024-token prompt and of that batch-256 decode step, timed as a graph runs them (each one's launches replayed alone in
-a graph with programmatic launches); and the bandwidth cuBLAS reaches on each
-weight matrix at 1 to 256 rows, and our GEMV at one row, launched one by one and as a
+1,024-token prompt and of that batch-256 decode step, timed as a graph runs them (each
+one's launches replayed alone in a graph with programmatic launches); and the
+bandwidth cuBLAS reaches on each weight matrix at 1 to 256 rows, and our GEMV at one row, launched one by one and as a
 decode graph runs it, back to back with programmatic launches (`graph`). Llama 3.2 1B
 shape, bfloat16, random weights.
 
@@ -34,6 +34,10 @@ from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from devtools.checkpoints import LLAMA_32_1B, make_model  # noqa: E402
+
+
+SMALL_BATCH = EngineConfig(num_kv_blocks=4096)
+LARGE_BATCH = EngineConfig(num_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192)
 
 
 def gpu_ms(stream: cuda.Stream, run) -> float:
@@ -104,7 +108,7 @@ def report(title: str, times: dict[str, float], total: float) -> None:
 def graph_step_times(model) -> None:
     """Batch 1 with CUDA graphs: where a step's wall time goes, host against GPU."""
     backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=True)
-    engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
+    engine = LLMEngine(model, backend, SMALL_BATCH)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     engine.add(engine.make_sequence("b1", list(range(1000, 1128)), params))
     for _ in range(20):
@@ -143,9 +147,6 @@ def prompt_of_1024(engine: LLMEngine) -> None:
     engine.add(engine.make_sequence("prompt", list(range(2000, 3024)), SamplingParams(temperature=0.0, max_tokens=1)))
 
 
-LARGE_BATCH = EngineConfig(num_kv_blocks=16384, max_num_seqs=256, max_num_batched_tokens=8192)
-
-
 def decode_of_256(engine: LLMEngine) -> None:
     """Up to a decode step of 256 sequences of ~850 tokens of context (the offline
     workload's large steps)."""
@@ -157,7 +158,7 @@ def decode_of_256(engine: LLMEngine) -> None:
         engine.step()
 
 
-def graph_kernel_table(model, title: str, prepare, config: EngineConfig = EngineConfig(num_kv_blocks=4096)) -> None:
+def graph_kernel_table(model, title: str, prepare, config: EngineConfig = SMALL_BATCH) -> None:
     """A step's kernels as a CUDA graph runs them. Events around each launch of an eager
     step (the table further down) add a gap per launch that a graph does not have, so
     here the launches of one eager step (after `prepare`) are recorded, and each

@@ -35,6 +35,16 @@ from engine.sampler import log_softmax  # noqa: E402
 THRESHOLDS = {"split": 2**30, "whole": 1}  # WHOLE_CONTEXT_PROMPT: never, always
 
 
+def logits_with(engine: LLMEngine, ids: list[int], whole_context_prompt: int) -> np.ndarray:
+    """Our last position's logits of `ids` with WHOLE_CONTEXT_PROMPT at the given size."""
+    shipped = step_metadata.WHOLE_CONTEXT_PROMPT
+    step_metadata.WHOLE_CONTEXT_PROMPT = whole_context_prompt
+    try:
+        return our_logits(engine, ids)
+    finally:
+        step_metadata.WHOLE_CONTEXT_PROMPT = shipped
+
+
 def compare(name: str, shape: dict, hf_class: str, lengths: list[int], seed: int) -> None:
     import transformers
 
@@ -55,10 +65,8 @@ def compare(name: str, shape: dict, hf_class: str, lengths: list[int], seed: int
             ids = rng.integers(0, 128000, n).tolist()
             with torch.no_grad():
                 ref, b16 = (m(torch.tensor([ids], device="cuda")).logits[0, -1].float().cpu().numpy() for m in (hf32, hf16))
-            logits = {"transformers bf16": b16}
-            for key, threshold in THRESHOLDS.items():
-                step_metadata.WHOLE_CONTEXT_PROMPT = threshold
-                logits[key] = our_logits(engine, ids)
+            logits = {"transformers bf16": b16} | {key: logits_with(engine, ids, threshold)
+                                                    for key, threshold in THRESHOLDS.items()}
             best = int(ref.argmax())
             exact = log_softmax(ref.astype(np.float64))[best]
             for key, values in logits.items():
