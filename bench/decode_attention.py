@@ -1,10 +1,12 @@
 """Decode attention alone (paged_attention_partial, then paged_attention_merge for the
 tokens whose context spans several partitions, or the decode kernel merging them
-itself, as in small decode steps): the K/V bytes it reads per second against the
-bandwidth floor, at the Llama 3.2 1B shape (32 query heads, 8 KV heads, head_dim 64,
-16-token blocks scattered over the cache), for a few batches and the engine's 512-
-and 128-position partitions (and 64 and 1024 for comparison: at small batches shorter
-partitions give more blocks and shorter chains of loads).
+itself, as in small decode steps; each warp loading one chunk of the context at a
+time, or the next one ahead while it computes, as small decodes past 4,096 positions
+do): the K/V bytes it reads per second against the bandwidth floor, at the Llama 3.2
+1B shape (32 query heads, 8 KV heads, head_dim 64, 16-token blocks scattered over the
+cache), for a few batches and the engine's 512- and 128-position partitions (and 64,
+256 and 1024 for comparison: at small batches shorter partitions give more blocks and
+shorter chains of loads).
 
     python bench/decode_attention.py [--sources DIR]   # on a machine with an NVIDIA GPU
 
@@ -16,6 +18,7 @@ launchers of engine/backends/cuda/kernels.py pass, e.g. an earlier commit's:
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -65,7 +68,7 @@ def inputs(contexts: list[int], rng: np.random.Generator) -> dict:
     }
 
 
-def time_attention(kernels: Kernels, spin, x: dict, partition: int, merge_in_kernel: bool) -> float:
+def time_attention(kernels: Kernels, spin, x: dict, partition: int, merge_in_kernel: bool, prefetch: bool) -> float:
     """Mean GPU time of one step's decode attention, in seconds (the launches queued
     behind `spin`)."""
     P, T = math.ceil(x["longest"] / partition), x["tokens"]
@@ -75,7 +78,8 @@ def time_attention(kernels: Kernels, spin, x: dict, partition: int, merge_in_ker
                                KV_HEADS, BLOCK, partition, P, HEAD_DIM ** -0.5)
 
     def launch() -> None:
-        kernels.paged_attention_partial(None, out, arrivals if merge_in_kernel else None, attention, x["k"], x["v"], T)
+        kernels.paged_attention_partial(None, out, arrivals if merge_in_kernel else None, attention, x["k"], x["v"], T,
+                                        prefetch=prefetch)
         if not merge_in_kernel:
             kernels.paged_attention_merge(None, out, attention, T)
     for _ in range(3):
@@ -99,20 +103,24 @@ def main() -> None:
     kernels = Kernels(HEAD_DIM, HEADS // KV_HEADS, f"sm_{major}{minor}",
                       device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT), sources=args.sources)
     spin = SourceModule(SPIN_SOURCE, no_extern_c=True).get_function("spin")
-    partial = kernels.functions["paged_attention_partial"]
-    print(f"{args.sources}: {partial.num_regs} registers a thread, {partial.local_size_bytes} bytes of local memory")
+    loads = {False: "one chunk", True: "a chunk ahead"}
+    for name in ("paged_attention_partial", "paged_attention_partial_prefetch"):
+        f = kernels.functions[name]
+        print(f"{name}: {f.num_regs} registers a thread, {f.local_size_bytes} bytes of local memory")
     rng = np.random.default_rng(0)
     cases = {"256 x context 850": [850] * 256, "256 x context U(100, 2000)": rng.integers(100, 2001, 256).tolist(),
              "64 x context 300": [300] * 64, "1 x context 300": [300], "1 x context 8192": [8192],
              "1 x context 32768": [32768], "16 x context 32768": [32768] * 16}
-    print(f"{'batch':>26} | {'partition':>9} | {'pass 2':>12} | {'us':>7} | {'K/V TB/s':>8} | {'floor us':>8}")
+    print(f"{'batch':>26} | {'partition':>9} | {'pass 2':>12} | {'loads':>13} | {'us':>7} | {'K/V TB/s':>8} | "
+          f"{'floor us':>8}")
     for name, contexts in cases.items():
         x = inputs(contexts, rng)
-        for partition in (64, 128, 512, 1024):
-            for merge_in_kernel in (False, True):
-                seconds = time_attention(kernels, spin, x, partition, merge_in_kernel)
+        for partition in (64, 128, 256, 512, 1024):
+            for merge_in_kernel, prefetch in itertools.product((False, True), loads):
+                seconds = time_attention(kernels, spin, x, partition, merge_in_kernel, prefetch)
                 print(f"{name:>26} | {partition:>9} | {'in kernel' if merge_in_kernel else 'merge kernel':>12} | "
-                      f"{seconds * 1e6:7.1f} | {x['bytes'] / seconds / 1e12:8.2f} | {x['bytes'] / BANDWIDTH * 1e6:8.1f}")
+                      f"{loads[prefetch]:>13} | {seconds * 1e6:7.1f} | {x['bytes'] / seconds / 1e12:8.2f} | "
+                      f"{x['bytes'] / BANDWIDTH * 1e6:8.1f}")
 
 if __name__ == "__main__":
     main()

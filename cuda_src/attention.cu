@@ -51,10 +51,11 @@ __device__ __forceinline__ float merge_partitions(const float* part_acc, const f
 // every head that shares a K/V row, and the cache is read once. Warp w takes the
 // partition's 16-position chunks w, w + WARPS, ..., loading each chunk's K and V
 // straight from the cache into registers as mma fragments, and keeps an online softmax
-// per row; the warps' states are merged at the end in a fixed order. No second chunk
-// is prefetched: at 96 registers or fewer five blocks fit on an SM, and their loads
-// hide the latency better than a second chunk in flight per warp would
-// (bench/RESULTS.md). A warp's first chunk is loaded before the wait for the previous
+// per row; the warps' states are merged at the end in a fixed order. Where blocks are
+// many, a warp loads one chunk at a time: at 96 registers or fewer five blocks fit on
+// an SM, and their loads hide the latency better than a second chunk in flight per
+// warp would (bench/RESULTS.md); where they are few, it loads the next one ahead
+// (PREFETCH, below). A warp's first chunk is loaded before the wait for the previous
 // kernel, where no kernel of the step writes it.
 // Given `arrivals`, pass 2 follows in the same launch: a token whose context fits one
 // partition stores its output directly (acc / sum, what the merge computes for one
@@ -176,7 +177,12 @@ __device__ __forceinline__ void merge_in_block(bf16* __restrict__ out, const flo
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial(
+// PREFETCH: each warp loads its next chunk while it computes this one, holding two
+// chunks' fragments (125 registers against 96 at HEAD_DIM 64: four blocks an SM, not
+// five), for small decodes at long contexts (StepShape.decode_prefetch: at 32,768
+// positions 512 blocks, each warp walking 8 chunks in turn). The sums are the same.
+template <bool PREFETCH>
+__device__ __forceinline__ void decode_attention(
     bf16* __restrict__ out,           // [tokens, heads, HEAD_DIM]
     int* __restrict__ arrivals,       // [tokens, kv_heads], zero; null: paged_attention_merge follows
     float* __restrict__ part_acc,     // [tokens, heads, partitions, HEAD_DIM]
@@ -208,12 +214,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
             blocks_s[i] = table[first_block + i];
     }
     __syncthreads();  // blocks_s is written
-    ChunkFragments cur;
+    ChunkFragments cur, next;
     const bool first_chunk_early = first_chunk + CHUNK <= position;
     if (first_chunk_early)
         load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_size, kv_heads, kvh, first_chunk, end, g, q);
     await_previous_kernel();
     if (begin >= end) return;  // a partition past the context: the merge does not read it
+    if (PREFETCH && !first_chunk_early && first_chunk < end)
+        load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_size, kv_heads, kvh, first_chunk, end, g, q);
 
     // Q as A fragments: row g (head kvh * GROUP + g; zero past GROUP), this quad's quarter.
     uint32_t q_frag[K_WORDS];
@@ -233,8 +241,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     float m_run = -INFINITY, l_run = 0.f;  // head g's; l: this lane's share
 
     for (int chunk = first_chunk; chunk < end; chunk += WARPS * CHUNK) {
-        if (chunk != first_chunk || !first_chunk_early)
+        if (PREFETCH) {
+            if (chunk + WARPS * CHUNK < end)
+                load_chunk(next, k_cache, v_cache, blocks_s, first_block, block_size, kv_heads, kvh,
+                           chunk + WARPS * CHUNK, end, g, q);
+        } else if (chunk != first_chunk || !first_chunk_early) {
             load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_size, kv_heads, kvh, chunk, end, g, q);
+        }
         // S = Q K^T: s[i] holds row g at positions chunk + 8 i + 2q, + 1 (and row g + 8's, unused)
         float s[2][4];
 #pragma unroll
@@ -280,6 +293,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
                                    __byte_perm(cur.v[2][mt], cur.v[3][mt], 0x5410), __byte_perm(cur.v[2][mt], cur.v[3][mt], 0x7632)};
             mma_bf16(o[mt], a, b0, b1);
         }
+        if (PREFETCH) cur = next;
     }
 
     // Merge the warps: row g's sum over its quad, then across warps through shared memory.
@@ -339,6 +353,27 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     if (!last_s) return;
     __threadfence();
     merge_in_block(out, part_acc, part_max, part_sum, t, heads, kvh, gridDim.z, spanned);
+}
+
+// The two builds of decode_attention, parameters as there.
+extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial(
+    bf16* __restrict__ out, int* __restrict__ arrivals, float* __restrict__ part_acc, float* __restrict__ part_max,
+    float* __restrict__ part_sum, const bf16* __restrict__ qkv, const kv_t* __restrict__ k_cache,
+    const kv_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ positions, int heads, int kv_heads, int block_size,
+    int partition, float scale) {
+    decode_attention<false>(out, arrivals, part_acc, part_max, part_sum, qkv, k_cache, v_cache, block_tables, max_blocks,
+                            token_seq, positions, heads, kv_heads, block_size, partition, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial_prefetch(
+    bf16* __restrict__ out, int* __restrict__ arrivals, float* __restrict__ part_acc, float* __restrict__ part_max,
+    float* __restrict__ part_sum, const bf16* __restrict__ qkv, const kv_t* __restrict__ k_cache,
+    const kv_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ positions, int heads, int kv_heads, int block_size,
+    int partition, float scale) {
+    decode_attention<true>(out, arrivals, part_acc, part_max, part_sum, qkv, k_cache, v_cache, block_tables, max_blocks,
+                           token_seq, positions, heads, kv_heads, block_size, partition, scale);
 }
 
 // Pass 1 for prompt tokens (prefill): the same partial results as

@@ -201,7 +201,8 @@ def merge_partial_results(kernels, out, attention: PagedAttention, positions: np
     kernels.paged_attention_merge(None, out, attention, tokens)
 
 
-@pytest.mark.parametrize("kernel", ["decode merging itself", "decode", "prefill", "prefill, whole contexts"])
+@pytest.mark.parametrize("kernel", ["decode merging itself", "decode loading ahead", "decode", "prefill",
+                                    "prefill, whole contexts"])
 @pytest.mark.parametrize("heads, kv_heads, D", [(32, 8, 64), (9, 3, 64), (24, 8, 128)])  # Llama 3.2 1B, SmolLM2, 3B
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("partition", [PARTITION, SHORT_PARTITION])
@@ -210,7 +211,7 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
     """Decode tokens and prefill chunks of several sequences in one launch, over
     lengths that are not multiples of the block size and past one partition, through
     the decode kernel (split context, merged by the last partition's block, or by the
-    merge kernel) and through the prefill kernel (query tiles, then the merge kernel, or
+    merge kernel; its warps loading a chunk ahead, the same sums bit for bit) and through the prefill kernel (query tiles, then the merge kernel, or
     each tile's whole context at once, storing the output); over a cache of bfloat16 or
     of e4m3 codes (against the codes' values)."""
     if kernel == "prefill, whole contexts" and partition != PARTITION:
@@ -245,12 +246,14 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
     part_sum = gpuarray.to_gpu(np.full((tokens, heads, partitions), np.nan, np.float32))
     attention = PagedAttention(part_acc, part_max, part_sum, qkv_gpu, i32(table_arr), max_blocks, i32(token_seq),
                                i32(positions), heads, kv_heads, block_size, partition, partitions, scale)
-    if kernel == "decode merging itself":  # (pass 2 in the same launch)
+    if kernel.startswith("decode") and kernel != "decode":  # (pass 2 in the same launch)
         arrivals = gpuarray.zeros((tokens, kv_heads), np.int32)
-        for _ in range(2):  # the second launch relies on the first leaving the arrival counts at zero
-            out = poisoned_bf16((tokens, heads * D))
-            kernels.paged_attention_partial(None, out, arrivals, attention, kc, vc, tokens)
+        for prefetch in (False, True) if kernel == "decode loading ahead" else (False, False):
+            # (a second launch relies on the first leaving the arrival counts at zero)
+            before, out = out, poisoned_bf16((tokens, heads * D))
+            kernels.paged_attention_partial(None, out, arrivals, attention, kc, vc, tokens, prefetch=prefetch)
         assert not arrivals.get().any()
+        assert np.array_equal(before.get(), out.get())  # (the same sums, in the same order)
     elif kernel.startswith("prefill"):
         rows = prefill_query_rows(heads // kv_heads)
         starts = np.cumsum([0] + [n for _, n in seqs])

@@ -106,6 +106,28 @@ def test_a_step_of_thousands_of_prompt_tokens_takes_whole_contexts(model):
     assert [launch.grid[0] for launch in merges] == [tokens] * model.config.num_layers and tokens > 3
 
 
+def test_decodes_of_a_few_tokens_in_long_contexts_load_ahead(model):
+    """A decode step of up to SMALL_DECODE tokens whose context passes SHORT_CONTEXT
+    takes the decode kernel whose warps load a chunk ahead; in a shorter context, or
+    beside prompt tokens, the one that loads a chunk at a time."""
+    from engine.backends.cuda.step_metadata import SHORT_CONTEXT
+
+    model = dataclasses.replace(model, config=dataclasses.replace(model.config, max_position_embeddings=2 * SHORT_CONTEXT))
+    config = EngineConfig(num_kv_blocks=2 * SHORT_CONTEXT // 16 + 16, max_num_seqs=4, max_num_batched_tokens=8192)
+    long_prompt = [i % 500 + 1 for i in range(SHORT_CONTEXT + 100)]
+    steps = engine_steps(model, [(long_prompt, dict(GREEDY, max_tokens=3)), (list(range(1, 40)), dict(GREEDY, max_tokens=3))],
+                         config=config, cuda_graphs=False)
+
+    def decode_kernels(step) -> Counter:
+        return Counter(launch.kernel for launch in step if launch.kernel.startswith("paged_attention_partial"))
+
+    assert decode_kernels(steps[0]) == Counter()  # (the prompts)
+    for step in steps[1:]:  # two decodes, the longest context past SHORT_CONTEXT
+        assert decode_kernels(step) == Counter({"paged_attention_partial_prefetch": model.config.num_layers})
+    steps = engine_steps(model, [(list(range(1, 40)), dict(GREEDY, max_tokens=3))], config=config, cuda_graphs=False)
+    assert decode_kernels(steps[1]) == Counter({"paged_attention_partial": model.config.num_layers})
+
+
 def test_single_token_steps_fuse_where_the_layer_allows(model):
     """A decode step of one row: Llama's norm, QKV GEMV and RoPE are one kernel; Qwen3's
     head norm sits between the GEMV and RoPE, so there they stay apart. Both fuse the

@@ -128,7 +128,8 @@ class LayerLaunches:
         decode_rows = shape.tokens - shape.prompt
         if decode_rows:
             arrivals = self.fwd.arrivals if shape.small_decode else None
-            k.paged_attention_partial(st, b.attn, arrivals, a, self.kc, self.vc, decode_rows)
+            k.paged_attention_partial(st, b.attn, arrivals, a, self.kc, self.vc, decode_rows,
+                                      prefetch=shape.decode_prefetch)
         if shape.prompt_tiles:
             out = b.attn if shape.whole_context_prompt else None
             k.prefill_attention_partial(st, out, a, self.kc, self.vc, self.m["prompt_tiles"], shape.prompt_tiles)

@@ -42,7 +42,7 @@ SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i in
     "head_rmsnorm": ("rmsnorm.cu", "PPPiif"),
     "rope_cos_sin": ("rope_cache.cu", "PPi"),
     "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
-    "paged_attention_partial": ("attention.cu", "PPPPPPPPPiPPiiiif"),
+    **{name: ("attention.cu", "PPPPPPPPPiPPiiiif") for name in ("paged_attention_partial", "paged_attention_partial_prefetch")},
     "paged_attention_merge": ("attention.cu", "PPPPPii"),
     "prefill_attention_partial": ("attention.cu", "PPPPPPPPiPPPiiiif"),
     "silu_and_mul": ("activation.cu", "PPi"),
@@ -277,11 +277,13 @@ class Kernels:
 
     # -- attention.cu -------------------------------------------------------------------
     def paged_attention_partial(self, stream, out, arrivals, attention: PagedAttention, k_cache, v_cache,
-                                rows: int) -> None:
+                                rows: int, prefetch: bool = False) -> None:
         """Decode attention of the step's first `rows` tokens over a layer's cache, a block
         per (token, KV head, partition), into the partial results; with `arrivals` (zeros,
-        [rows, kv_heads]) the last block of each (token, KV head) merges them into out itself."""
-        self.functions["paged_attention_partial"].prepared_async_call(
+        [rows, kv_heads]) the last block of each (token, KV head) merges them into out itself.
+        With `prefetch`, each warp loads its next chunk of the context while it computes one."""
+        name = "paged_attention_partial_prefetch" if prefetch else "paged_attention_partial"
+        self.functions[name].prepared_async_call(
             (rows, attention.kv_heads, attention.partitions), (ATTENTION_THREADS, 1, 1), stream, ptr(out), ptr(arrivals),
             *attention.inputs(k_cache, v_cache), *attention.sizes)
 

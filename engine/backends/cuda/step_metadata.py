@@ -62,6 +62,13 @@ class StepShape:
         return is_small_decode(self.generated, self.prompt, self.invariant)
 
     @property
+    def decode_prefetch(self) -> bool:
+        """A step of a few decode tokens in contexts past SHORT_CONTEXT: its attention has
+        few blocks, each walking a long partition, whose warps load a chunk ahead
+        (attention.cu's PREFETCH)."""
+        return not self.prompt and self.generated <= SMALL_DECODE and self.partitions * self.partition > SHORT_CONTEXT
+
+    @property
     def tokens(self) -> int:
         """Rows the per-token kernels run over (the padding between the segments included)."""
         return self.generated_rows + self.prompt if self.prompt else self.generated
