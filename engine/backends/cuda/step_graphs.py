@@ -23,8 +23,8 @@ log = logging.getLogger("llamastream.engine")
 Metadata = Callable[[list[ScheduledSeq], StepShape], np.ndarray]  # a step's metadata array
 # Prompt chunks up to 2,048 tokens, in steps of 128 past 128 (a chunk pads to its bucket:
 # at most 127 rows). Eager, a step's ~160 launches each start after the previous kernel
-# has drained (a 1,024-token prompt: 5.47 ms eager, 4.65 replayed with programmatic
-# launches), even where the host launches faster than the GPU runs them.
+# has drained, even where the host launches faster than the GPU runs them: a 1,024-token
+# prompt's first token took 5.2 ms replayed against 5.6 eager (bench/HISTORY.md).
 PROMPT_BUCKETS = (16, 32, 64) + tuple(range(128, 2049, 128))
 # Decode batches of up to this many sequences also take graphs in contexts past
 # max_context: eager, their launches took longer than their GPU work (bench/long_context.py).
