@@ -31,6 +31,7 @@ class DataType(enum.IntEnum):
 
     F32 = 0
     BF16 = 14
+    E4M3 = 28  # FP8 (cuBLASLt only)
 
 
 class CublasError(RuntimeError):
