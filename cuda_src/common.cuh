@@ -124,6 +124,17 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t codes) {
     return pack_bf16(f.x, f.y);
 }
 
+// The e4m3 code nearest to x, saturating at +-448, a tie going to the smaller
+// magnitude: exactly the numpy backend's f32_to_e4m3 (engine/quantization/fp8.py).
+// Normal values round their float32 bits to 3 mantissa bits (the carry may reach the
+// exponent), rebiased from 127 to 7; below 2^-6 the codes are multiples of 2^-9.
+__device__ __forceinline__ uint8_t to_e4m3(float x) {
+    const float a = fminf(fabsf(x), 448.f);
+    const uint32_t code = a < 0x1p-6f ? (uint32_t)ceilf(a * 512.f - 0.5f)
+                                      : ((__float_as_uint(a) + (1u << 19) - 1) >> 20) - (120u << 3);
+    return (uint8_t)(code | (x < 0.f ? 0x80u : 0u));
+}
+
 // 16 bytes from global to shared memory without passing through registers (cp.async,
 // sm_80 and later), or 16 zero bytes where `valid` is false.
 __device__ __forceinline__ void copy16_async(void* smem, const void* gmem, bool valid) {

@@ -8,16 +8,7 @@
 #ifdef KV_CACHE_FP8
 typedef uint8_t kv_t;
 
-// The e4m3 code nearest to x, saturating at +-448, a tie going to the smaller
-// magnitude: exactly the numpy backend's f32_to_e4m3 (engine/quantization/fp8.py).
-// Normal values round their float32 bits to 3 mantissa bits (the carry may reach the
-// exponent), rebiased from 127 to 7; below 2^-6 the codes are multiples of 2^-9.
-__device__ __forceinline__ kv_t to_kv(float x) {
-    const float a = fminf(fabsf(x), 448.f);
-    const uint32_t code = a < 0x1p-6f ? (uint32_t)ceilf(a * 512.f - 0.5f)
-                                      : ((__float_as_uint(a) + (1u << 19) - 1) >> 20) - (120u << 3);
-    return (kv_t)(code | (x < 0.f ? 0x80u : 0u));
-}
+__device__ __forceinline__ kv_t to_kv(float x) { return to_e4m3(x); }
 
 // 4 codes (one word) as two words of bfloat16 pairs, codes 0, 1 in lo and 2, 3 in hi.
 __device__ __forceinline__ void widen_e4m3x4(uint32_t codes, uint32_t& lo, uint32_t& hi) {

@@ -182,7 +182,8 @@ def _modules(memory: _Memory, launches: list[Launch]) -> dict[str, types.ModuleT
 
 
 class _Library:
-    """libcublas and libcuda: every call succeeds; GEMMs and graph launches are recorded."""
+    """libcublas, libcublasLt and libcuda: every call succeeds; GEMMs and graph launches
+    are recorded, and cuBLASLt's heuristic offers one algorithm."""
 
     def __init__(self, launches: list[Launch]):
         self.launches = launches
@@ -191,8 +192,10 @@ class _Library:
         def call(*args) -> int:
             if name == "cublasGemmEx":  # (m, n, k, then the types of w, x and y)
                 self.launches.append(Launch(name, args=(*args[3:6], args[8], args[11], args[15])))
-            elif name == "cuGraphLaunch":
+            elif name in ("cuGraphLaunch", "cublasLtMatmul"):
                 self.launches.append(Launch(name))
+            elif name == "cublasLtMatmulAlgoGetHeuristic":  # (..., count, results, byref(returned))
+                args[-1]._obj.value = 1
             return 0
         return call
 

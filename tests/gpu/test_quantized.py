@@ -206,6 +206,83 @@ def test_quantized_linear_over_gemm_tiles(cuda_context, kernels, scales, d_in, d
     linear.blas.close()
 
 
+def w8a8_rows(x: np.ndarray) -> np.ndarray:
+    """x's rows as a W8A8 product sees them: each quantized to e4m3 with its largest
+    magnitude over 448 as its scale (quantize_rows_e4m3), and dequantized."""
+    from engine.quantization.fp8 import e4m3_to_f32, f32_to_e4m3
+
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+    return e4m3_to_f32(f32_to_e4m3(x / scale)) * scale
+
+
+def test_quantize_rows_e4m3_matches_numpy(kernels):
+    """Each row's scale is its largest magnitude over 448 (1 for a row of zeros), and
+    its codes numpy's f32_to_e4m3 of x / scale, bit for bit."""
+    from engine.quantization.fp8 import f32_to_e4m3
+
+    rows, d_in = 37, 2048 + 16
+    x = bf16(RNG.standard_normal((rows, d_in)).astype(np.float32) * RNG.uniform(1e-3, 30, (rows, 1)).astype(np.float32))
+    x[5] = 0
+    codes, scales = gpuarray.empty((rows, d_in), np.uint8), gpuarray.empty(rows, np.float32)
+    kernels.quantize_rows_e4m3(None, codes, scales, up_bf16(x), rows, d_in)
+    amax = np.abs(x).max(axis=1)
+    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+    np.testing.assert_array_equal(scales.get(), scale)
+    np.testing.assert_array_equal(codes.get(), f32_to_e4m3(x / scale[:, None]))
+
+
+@pytest.mark.parametrize("y_f32", [False, True])
+def test_scale_rows_and_cols_matches_numpy(kernels, y_f32):
+    rows, cols = 9, 2048 + 8
+    y = RNG.standard_normal((rows, cols)).astype(np.float32) * 1e4
+    r, c = (RNG.uniform(1e-4, 1, n).astype(np.float32) for n in (rows, cols))
+    y_gpu = gpuarray.to_gpu(y) if y_f32 else up_bf16(y)
+    kernels.scale_rows_and_cols(None, y_gpu, gpuarray.to_gpu(r), gpuarray.to_gpu(c), rows, cols, y_f32)
+    if y_f32:
+        np.testing.assert_array_equal(y_gpu.get(), y * (r[:, None] * c[None, :]))
+    else:
+        np.testing.assert_array_equal(bf16_bits_to_f32(y_gpu.get()), bf16(bf16(y) * (r[:, None] * c[None, :])))
+
+
+@pytest.mark.parametrize("scales", ["per-row", "per-tensor"])
+@pytest.mark.parametrize("d_in, d_out, out_f32, scratch_rows", [(2048, 8192, False, 8192), (8192, 2048, False, 24),
+                                                                (2048, 50000, True, 16384)])
+def test_w8a8_linear_over_gemm_tiles(cuda_context, kernels, scales, d_in, d_out, out_f32, scratch_rows):
+    """With a cuBLASLt handle, FP8 tiles of more rows than the skinny GEMM takes are W8A8
+    products: numpy's product of the row-quantized activations (w8a8_rows) and the
+    dequantized weight, at the bfloat16 kernels' tolerance, and nearer it than the
+    product of the bfloat16 activations. A scratch of 24 rows of 8,192 columns holds
+    47 rows' codes: tiles of 64 and 100 rows go in chunks."""
+    import pycuda.driver as cuda
+
+    from engine.backends.cuda.cublas import Cublas
+    from engine.backends.cuda.cublaslt import CublasLt
+    from engine.backends.cuda.linear import Linear
+
+    stream, workspace = cuda.Stream(), cuda.mem_alloc(32 * 2**20)
+    linear = Linear(Cublas(stream.handle, int(workspace), 32 * 2**20), stream,
+                    gpuarray.empty(scratch_rows * d_in, np.uint16), lt=CublasLt(stream.handle, int(workspace), 32 * 2**20))
+    tiles, rows = [(0, 1), (1, 7), (8, 64), (72, 1), (73, 100)], 173
+    q = quantized_weight(d_out, d_in, scales)
+    x = bf16(RNG.standard_normal((rows, d_in)).astype(np.float32))
+    y = gpuarray.to_gpu(np.full((rows, d_out), np.nan, np.float32)) if out_f32 else poisoned_bf16((rows, d_out))
+    linear(kernels, y, up_bf16(x), on_gpu(q), tiles)
+    stream.synchronize()
+    got = y.get() if out_f32 else bf16_bits_to_f32(y.get())
+    w = q.float32()
+    for r, n in tiles:
+        plain = x[r : r + n] @ w.T
+        if n <= 32:
+            assert rel_l2(got[r : r + n], plain) < TOL, (r, n)
+            continue
+        w8a8 = w8a8_rows(x[r : r + n]) @ w.T
+        assert rel_l2(got[r : r + n], w8a8) < TOL / 2, (r, n)
+        assert rel_l2(got[r : r + n], w8a8) < rel_l2(got[r : r + n], plain) / 2, (r, n)
+    linear.blas.close()
+    linear.lt.close()
+
+
 # -- the whole model -----------------------------------------------------------------
 LENGTHS = np.unique(np.geomspace(1, 2047, 46).round().astype(int)).tolist()  # 40 prompt lengths, 1 to 2,047 tokens
 

@@ -19,10 +19,11 @@ from pycuda.tools import DeviceMemoryPool
 from engine.backends.base import MAX_STEPS_IN_FLIGHT, SampleLater, Wait, is_fp8_kv_cache
 from engine.backends.cuda.buffers import KvCache, StepBuffers
 from engine.backends.cuda.cublas import Cublas, CublasError
+from engine.backends.cuda.cublaslt import CublasLt
 from engine.backends.cuda.step_graphs import PROMPT_BUCKETS, StepGraphs
 from engine.backends.cuda.forward import ForwardPass
 from engine.backends.cuda.kernels import MAX_PART_BLOCKS, Kernels, prefill_query_rows
-from engine.backends.cuda.linear import Linear
+from engine.backends.cuda.linear import FP8, Linear
 from engine.backends.cuda.sampler import GpuSampler
 from engine.backends.cuda.step_metadata import PARTITION, SMALL_DECODE, StepShape, build_metadata, step_shape
 from engine.backends.cuda.weights import DeviceWeights
@@ -93,7 +94,9 @@ class CudaBackend:
             # FP8 matrices stay FP8 (weights.py); other quantized ones are uploaded as bfloat16
             self.weight_dtype = " and ".join(sorted({FORMAT_NAMES[f] for f in self.weights.formats}))
             scratch = self.weights.scratch_bytes
-            self.linear = Linear(self.blas, self.stream, gpuarray.empty(scratch // 2, np.uint16) if scratch else None)
+            lt = CublasLt(self.stream.handle, int(self.workspace), WORKSPACE_BYTES) if FP8 in self.weights.formats else None
+            self.linear = Linear(self.blas, self.stream, gpuarray.empty(scratch // 2, np.uint16) if scratch else None,
+                                 lt=lt)  # (FP8 tiles of many rows: W8A8 products through cuBLASLt)
             # cos and sin of every RoPE angle the model meets (vLLM's cos_sin_cache): a
             # position's row is read by every layer, with nothing to compute
             self.cos_sin = gpuarray.empty((config.max_position_embeddings, config.head_dim // 2, 2), np.float32)

@@ -57,6 +57,8 @@ SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i in
     **{f"dequantize{suffix}": ("gemv.cu", "PPPiiii") for suffix in ("_fp8", "_int4")},
     **{f"skinny_gemm_s{n}": ("skinny_gemm.cu", "PiPiPii") for n in SKINNY_SPLITS},
     **{f"skinny_gemm_fp8_s{n}": ("skinny_gemm.cu", "PiPiPPiii") for n in SKINNY_SPLITS},
+    "quantize_rows_e4m3": ("fp8_activations.cu", "PPPi"),
+    "scale_rows_and_cols": ("fp8_activations.cu", "PiPPi"),
     "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
     "apply_token_bitmask": ("sampling.cu", "PPPii"),
     "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
@@ -368,6 +370,18 @@ class Kernels:
             (-(-d_out // SKINNY_ROWS), split), (SKINNY_THREADS, 1, 1), stream, ptr(y), np.int32(out_f32), ptr(x),
             np.int32(rows), *weight, np.int32(d_in), np.int32(d_out),
             shared_size=skinny_shared_bytes(rows, d_in // split, format))
+
+    # -- fp8_activations.cu: the two ends of a W8A8 product (linear.py) -----------------
+    def quantize_rows_e4m3(self, stream, codes, scales, x, rows: int, d_in: int) -> None:
+        """codes[t] = e4m3(x[t] / scales[t]), scales[t] = max |x[t]| / 448: a block a row."""
+        self.functions["quantize_rows_e4m3"].prepared_async_call(
+            (rows, 1), (ROW_THREADS, 1, 1), stream, ptr(codes), ptr(scales), ptr(x), np.int32(d_in))
+
+    def scale_rows_and_cols(self, stream, y, row_scales, col_scales, rows: int, cols: int, y_f32: bool = False) -> None:
+        """y[t, o] *= row_scales[t] * col_scales[o], y bfloat16 (float32 if y_f32)."""
+        self.functions["scale_rows_and_cols"].prepared_async_call(
+            (-(-cols // (8 * ROW_THREADS)), rows), (ROW_THREADS, 1, 1), stream, ptr(y), np.int32(y_f32), ptr(row_scales),
+            ptr(col_scales), np.int32(cols))
 
     # -- sampling.cu --------------------------------------------------------------------
     def apply_penalties(self, stream, logits, vocab: int, entries: int, entry_row, entry_token, entry_count, entry_banned,

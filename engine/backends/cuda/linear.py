@@ -2,13 +2,19 @@
 
 A GEMM tile of one row takes our GEMV (gemv.cu), in the weight's format. A tile of 2 to
 32 rows of an FP8 weight takes our skinny GEMM (skinny_gemm.cu), which reads the codes
-once. Other tiles take cuBLAS in bfloat16: an FP8 or INT4 weight is first dequantized to
-bfloat16 into a scratch buffer (gemv.cu's dequantize_*), once per product whatever its tiles,
-in chunks of rows where it is larger than the buffer (the head). The skinny GEMM's
-limits are measured (bench/skinny_gemm.py): at 64 rows it is behind dequantizing and
-cuBLAS, and for bfloat16 weights behind cuBLAS at every row count, as yet.
-The single-token fusions of forward.py (the GEMVs that also normalise, rotate or
-activate) exist in both formats.
+once. Larger tiles of an FP8 weight with a scale a row are W8A8 products, given a
+cuBLASLt handle (`lt`): the tile's rows quantized to e4m3 a token at a time, the codes
+multiplied on the FP8 tensor cores (cuBLASLt takes one scale an operand on sm_90, so
+none there), and the sums scaled by the token's scale and the weight row's
+(fp8_activations.cu); at 1,024 rows a layer's four products take 105 µs against 171 in
+bfloat16 (bench/fp8_gemm.py). Other tiles take cuBLAS in bfloat16: an FP8 or INT4
+weight is first dequantized to bfloat16 into a scratch buffer (gemv.cu's dequantize_*),
+once per product whatever its tiles, in chunks of rows where it is larger than the
+buffer (the head). The W8A8 products quantize their rows into the same scratch, in
+chunks of the rows it holds. The skinny GEMM's limits are measured
+(bench/skinny_gemm.py): at 64 rows it is behind dequantizing and cuBLAS, and for
+bfloat16 weights behind cuBLAS at every row count, as yet. The single-token fusions of
+forward.py (the GEMVs that also normalise, rotate or activate) exist in each format.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from engine.backends.cuda.cublas import Cublas, DataType
+from engine.backends.cuda.cublaslt import CublasLt, GemmShape, LtPlan
 from engine.backends.cuda.kernels import Kernels, skinny_split
 
 BF16, FP8, INT4 = "bf16", "fp8", "int4"
@@ -51,10 +58,13 @@ class Linear:
     `scratch` (a GPUArray) holds a dequantized weight, or a chunk of one, for cuBLAS:
     bfloat16, at least one row of every quantized weight. `skinny_tiles`: the largest
     tile of each format that takes the skinny GEMM (at most SKINNY_MAX_ROWS; benchmarks
-    compare others)."""
+    compare others). `lt`: the cuBLASLt handle of the W8A8 products (none: FP8 tiles of
+    more rows dequantize)."""
 
-    def __init__(self, blas: Cublas, stream, scratch=None, skinny_tiles: dict[str, int] = SKINNY_TILES):
-        self.blas, self.stream, self.scratch, self.skinny_tiles = blas, stream, scratch, skinny_tiles
+    def __init__(self, blas: Cublas, stream, scratch=None, skinny_tiles: dict[str, int] = SKINNY_TILES,
+                 lt: CublasLt | None = None):
+        self.blas, self.stream, self.scratch, self.skinny_tiles, self.lt = blas, stream, scratch, skinny_tiles, lt
+        self._plans: dict[GemmShape, LtPlan | None] = {}  # the W8A8 products' (None: cuBLASLt has no algorithm)
 
     def __call__(self, kernels: Kernels, y, x, w: LinearWeight, tiles: list[tuple[int, int]]) -> None:
         """y [rows, d_out] (bfloat16, or float32 for logits) from x [rows, d_in] in bfloat16,
@@ -80,6 +90,10 @@ class Linear:
                 self.blas.gemm(y_ptr, y_type, x_ptr, DataType.BF16, int(w.data.gpudata), DataType.BF16, rows, w.d_in,
                                w.d_out)
             return
+        if w.format == FP8 and not w.scale_cols and self.lt is not None:
+            gemm_tiles = [t for t in gemm_tiles if not self._w8a8(kernels, *t, w, y_type)]
+            if not gemm_tiles:
+                return
         chunk = min(w.d_out, self.scratch.nbytes // (2 * w.d_in))
         for first in range(0, w.d_out, chunk):
             n = min(chunk, w.d_out - first)
@@ -87,6 +101,32 @@ class Linear:
             for y_ptr, x_ptr, rows in gemm_tiles:  # (the chunk's columns of y, whose rows stay d_out wide)
                 self.blas.gemm(y_ptr + first * y.dtype.itemsize, y_type, x_ptr, DataType.BF16, int(self.scratch.gpudata),
                                DataType.BF16, rows, w.d_in, n, ldy=w.d_out)
+
+    def _w8a8(self, kernels: Kernels, y_ptr: int, x_ptr: int, rows: int, w: LinearWeight, y_type: DataType) -> bool:
+        """A tile's W8A8 product, in chunks of the rows the scratch holds (codes, then
+        their scales); False where cuBLASLt has no algorithm for it."""
+        chunk = self.scratch.nbytes // (w.d_in + 4)
+        codes = int(self.scratch.gpudata)
+        for first in range(0, rows, chunk):
+            n = min(chunk, rows - first)
+            plan = self._plan(GemmShape(n, w.d_in, w.d_out, y_type, DataType.E4M3, DataType.E4M3))
+            if plan is None:
+                return False
+            scales, y_bytes = codes + n * w.d_in, 4 if y_type == DataType.F32 else 2
+            y_rows, x_rows = y_ptr + first * w.d_out * y_bytes, x_ptr + first * w.d_in * 2
+            kernels.quantize_rows_e4m3(self.stream, codes, scales, x_rows, n, w.d_in)
+            self.lt.matmul(plan, 0, y_rows, codes, int(w.data.gpudata))
+            kernels.scale_rows_and_cols(self.stream, y_rows, scales, w.scale, n, w.d_out, y_type == DataType.F32)
+        return True
+
+    def _plan(self, shape: GemmShape) -> LtPlan | None:
+        """cuBLASLt's descriptors and algorithms for a W8A8 product's shape, made once."""
+        if shape not in self._plans:
+            plan = self.lt.plan(shape, 1)
+            self._plans[shape] = plan if plan.candidates else None
+            if not plan.candidates:
+                plan.close()
+        return self._plans[shape]
 
     def _skinny(self, kernels: Kernels, w: LinearWeight, rows: int) -> bool:
         """Whether a tile of `rows` rows takes the skinny GEMM."""
