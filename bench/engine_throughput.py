@@ -3,7 +3,8 @@ prompt and output lengths uniform in 100..1024 random tokens, eos ignored, all
 submitted at once; Llama 3.2 1B shape, bfloat16 (or FP8 layers with --format), random weights.
 
     python bench/engine_throughput.py [--model llama-3.2-1b|qwen3-0.6b] [--requests 256] [--batch-invariant]
-                                      [--format bf16|fp8|fp8-head] [--kv-cache-dtype auto|fp8] [--kv-cache-gb G]
+                                      [--format bf16|fp8|fp8-dynamic|fp8-head] [--kv-cache-dtype auto|fp8]
+                                      [--kv-cache-gb G]
                                       [--no-transformers]   # NVIDIA GPU, torch
 
 By default the KV cache holds every request at once; `--kv-cache-gb` gives it that much
@@ -45,7 +46,8 @@ from devtools.checkpoints import SHAPES, make_model  # noqa: E402
 from devtools.quantized import fp8_model  # noqa: E402
 
 BANDWIDTH, PEAK = 4.27e12, 790e12
-FORMATS = {"bf16": lambda m: m, "fp8": fp8_model, "fp8-head": lambda m: fp8_model(m, head=True)}
+FORMATS = {"bf16": lambda m: m, "fp8": fp8_model, "fp8-dynamic": lambda m: fp8_model(m, dynamic_activations=True),
+           "fp8-head": lambda m: fp8_model(m, head=True)}
 
 
 def decode_costs(config) -> tuple[float, float, float]:
@@ -64,7 +66,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--batch-invariant", action="store_true", help="GEMMs in fixed row tiles, as the server's flag")
     ap.add_argument("--format", choices=sorted(FORMATS), default="bf16",
-                    help="the layers' weights: bfloat16, FP8 (per-row scales), or FP8 with the head too")
+                    help="the layers' weights: bfloat16, FP8 (per-row scales), the same with W8A8 steps "
+                         "(an FP8-dynamic checkpoint's), or FP8 with the head too")
     ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="bfloat16 (auto) or FP8 e4m3 K/V")
     ap.add_argument("--kv-cache-gb", type=float, help="memory for the KV cache (default: room for every request)")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the transformers run")

@@ -5,11 +5,12 @@ bandwidth), and time to first token of a 1024-token prompt; then each layer matr
 product by itself, per format and rows (our GEMV at 1 row; cuBLAS, after dequantizing a
 quantized weight, above), with the bandwidth it reaches.
 
-    python bench/quantized.py [--formats bf16,fp8,fp8-head,int4] [--no-kernels | --kernels-only]
+    python bench/quantized.py [--formats bf16,fp8,fp8-dynamic,fp8-head,int4] [--no-kernels | --kernels-only]
 
 Formats: bf16 (the checkpoint as it is: also what the CUDA backend served FP8
 checkpoints as before it read FP8), fp8 (the layers' matrices in FP8 with per-row
-scales, as --quantization fp8), fp8-blocks (128 x 128 block scales, as Hugging Face's
+scales, as --quantization fp8), fp8-dynamic (the same as an FP8-dynamic checkpoint's:
+its steps of many rows W8A8), fp8-blocks (128 x 128 block scales, as Hugging Face's
 fp8 checkpoints), fp8-head (fp8 and the tied head, as --quantize-lm-head), int4 (the
 layers' matrices in INT4, groups of 128 with zero points, as AWQ and GPTQ checkpoints).
 """
@@ -37,7 +38,8 @@ from engine.model_loader import load_model  # noqa: E402
 from engine.weights import f32_to_bf16_bits  # noqa: E402
 
 BANDWIDTH = 4.27e12  # bytes/s: a device-to-device copy on the H200 (bench/RESULTS.md)
-FORMATS = {"bf16": lambda m: m, "fp8": fp8_model, "fp8-blocks": lambda m: fp8_model(m, (128, 128)),
+FORMATS = {"bf16": lambda m: m, "fp8": fp8_model, "fp8-dynamic": lambda m: fp8_model(m, dynamic_activations=True),
+           "fp8-blocks": lambda m: fp8_model(m, (128, 128)),
            "fp8-head": lambda m: fp8_model(m, head=True), "int4": lambda m: int4_model(m, 128)}
 KERNEL_ROWS = (1, 2, 4, 8, 16, 64, 256)
 

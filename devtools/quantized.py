@@ -6,12 +6,14 @@ the GPU's tests and benchmarks (the 1B shape in each format):
     python -m devtools.quantized SOURCE_DIR OUT_DIR --format gptq [--group 128]
 
 The values: INT4 asymmetric per group (its range's min and max, 0 included: the zero
-point is a nibble), FP8 e4m3 with a scale per row or per 128 x 128 block.
+point is a nibble), FP8 e4m3 with a scale per row or per 128 x 128 block (fp8-dynamic: a scale per row, and
+a config that says the activations are quantized a token at a time when served).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -25,7 +27,7 @@ from engine.quantization.fp8 import E4M3_MAX, Fp8Weight, f32_to_e4m3
 from engine.quantization.int4 import _AWQ_SHIFTS, Int4Weight, pack_int32
 from engine.weights import is_layer_matrix
 
-FORMATS = ("awq", "gptq", "pack-quantized", "fp8-channel", "fp8-block")
+FORMATS = ("awq", "gptq", "pack-quantized", "fp8-channel", "fp8-dynamic", "fp8-block")
 FP8_BLOCK = (128, 128)
 
 
@@ -94,15 +96,18 @@ def _config(fmt: str, group: int) -> dict:
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)}
     weights = ({"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": group}
                if fmt == "pack-quantized" else {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"})
+    scheme = {"targets": ["Linear"], "weights": weights}
+    if fmt == "fp8-dynamic":  # (llm-compressor's FP8_DYNAMIC: activations quantized a token at a time when served)
+        scheme["input_activations"] = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                       "strategy": "token"}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized" if fmt == "pack-quantized" else
-            "float-quantized", "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-            "ignore": ["lm_head"]}
+            "float-quantized", "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
 
 
 def quantize(w: np.ndarray, fmt: str, group: int) -> Int4Weight | Fp8Weight:
     """One weight as `fmt` holds it."""
-    if fmt == "fp8-channel":
-        return Fp8Weight.quantize(w)
+    if fmt in ("fp8-channel", "fp8-dynamic"):
+        return dataclasses.replace(Fp8Weight.quantize(w), dynamic_activations=fmt == "fp8-dynamic")
     if fmt == "fp8-block":
         return quantize_fp8_blocks(w)
     q = quantize_int4(w, group)
@@ -169,19 +174,17 @@ def fp8_fast(w: np.ndarray, block: tuple[int, int] | None = None) -> Fp8Weight:
 def int4_model(model: LoadedModel, group: int = 128) -> LoadedModel:
     """A LoadedModel with its layers' matrices quantized by quantize_int4 (AWQ's and GPTQ's
     asymmetric groups, in order)."""
-    import dataclasses
-
     return dataclasses.replace(model, weights={
         name: quantize_int4(t.float32(), group) if is_layer_matrix(name, t) else t for name, t in model.weights.items()})
 
 
-def fp8_model(model: LoadedModel, block: tuple[int, int] | None = None, head: bool = False) -> LoadedModel:
+def fp8_model(model: LoadedModel, block: tuple[int, int] | None = None, head: bool = False,
+              dynamic_activations: bool = False) -> LoadedModel:
     """A LoadedModel with its layers' matrices (and its head, or the embedding it is tied
-    to, with `head`) quantized by fp8_fast."""
-    import dataclasses
-
+    to, with `head`) quantized by fp8_fast, marked as an FP8-dynamic checkpoint's where
+    `dynamic_activations` (W8A8 on the GPU)."""
     head_name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     return dataclasses.replace(model, weights={
-        name: fp8_fast(t.float32(), block)
+        name: dataclasses.replace(fp8_fast(t.float32(), block), dynamic_activations=dynamic_activations)
         if is_layer_matrix(name, t) or (head and name == head_name) else t
         for name, t in model.weights.items()})

@@ -84,9 +84,11 @@ def _read_compressed_tensors(config: dict, weights: Weights) -> None:
                 _stored(weights, base + ".weight_packed"), _stored(weights, base + ".weight_scale"),
                 _stored(weights, base + ".weight_zero_point", required=False), shape, scheme.get("group_size")))
     elif form in ("float-quantized", "naive-quantized"):
+        activations = next(iter((config.get("config_groups") or {}).values()), {}).get("input_activations") or {}
+        dynamic = activations.get("type") == "float" and activations.get("num_bits") == 8 and bool(activations.get("dynamic"))
         for base in _linears(weights, ".weight_scale"):
             scale = _stored(weights, base + ".weight_scale").astype(np.float32).reshape(-1, 1)
-            weights[base + ".weight"] = Fp8Weight(_stored(weights, base + ".weight"), scale)
+            weights[base + ".weight"] = Fp8Weight(_stored(weights, base + ".weight"), scale, dynamic_activations=dynamic)
             weights.pop(base + ".input_scale", None)  # (static activation scales: activations stay bfloat16)
     else:
         raise ValueError(f"the checkpoint is in compressed-tensors' {form!r} format, which llamastream does not serve: "

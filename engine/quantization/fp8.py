@@ -45,12 +45,17 @@ def f32_to_e4m3(x: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class Fp8Weight(QuantizedWeight):
     """A linear weight [out, in] of e4m3 bit patterns and its scales: one for the
-    tensor, one per output row, or one per block of `block` (rows, columns)."""
+    tensor, one per output row, or one per block of `block` (rows, columns).
+    `dynamic_activations`: its checkpoint quantizes the activations it multiplies to
+    e4m3 too, a token at a time (compressed-tensors' dynamic input_activations, as
+    vLLM multiplies such weights): the CUDA backend's W8A8 products do, for steps of
+    many rows. The numpy backend, the exact reference, multiplies them unquantized."""
 
     codes: np.ndarray  # uint8 [out, in]: e4m3 bit patterns
     scale: np.ndarray  # float32: [1, 1], [out, 1] or [ceil(out / rows), ceil(in / cols)]
     block: tuple[int, int] | None = None
     format: str = "fp8"
+    dynamic_activations: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -68,14 +73,14 @@ class Fp8Weight(QuantizedWeight):
         """The parts' rows as one weight (a fused projection), with per-row scales (a
         part's per-tensor scale given to each of its rows), or block scales where every
         part but the last fills whole blocks of rows; None otherwise."""
-        block = parts[0].block
+        block, dynamic = parts[0].block, all(p.dynamic_activations for p in parts)
         if any(p.block != block for p in parts) or (block and any(p.shape[0] % block[0] for p in parts[:-1])):
             return None
         codes = np.concatenate([p.codes for p in parts])
         if block:
-            return Fp8Weight(codes, np.concatenate([p.scale for p in parts]), block)
+            return Fp8Weight(codes, np.concatenate([p.scale for p in parts]), block, dynamic_activations=dynamic)
         rows = [np.broadcast_to(p.scale.reshape(-1, 1), (p.shape[0], 1)) for p in parts]
-        return Fp8Weight(codes, np.concatenate(rows).astype(np.float32))
+        return Fp8Weight(codes, np.concatenate(rows).astype(np.float32), dynamic_activations=dynamic)
 
     @staticmethod
     def quantize(w: np.ndarray) -> "Fp8Weight":

@@ -120,14 +120,16 @@ def numpy_engine(model, kv_cache_dtype: str = "auto") -> LLMEngine:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_round_trips_and_serves_close_to_its_source(fmt, tmp_path):
     """Each format written (devtools/quantized.py: the layouts of AutoAWQ, GPTQ v1,
-    compressed-tensors and Hugging Face's fp8), read back exactly as written, within
-    its rounding of the source, and served by the numpy backend."""
+    compressed-tensors and Hugging Face's fp8), read back exactly as written (an
+    FP8-dynamic checkpoint's weights marked so), within its rounding of the source, and
+    served by the numpy backend."""
     written = write_quantized(TINY_MODEL, tmp_path / fmt, fmt, group=16)
     source, quantized = load_model(TINY_MODEL), load_model(tmp_path / fmt)
     assert len(written) == 14 and quantized.weight_format == ("fp8" if fmt.startswith("fp8") else "int4")
     for name, q in written.items():
         ours, w = quantized.weights[name], source.weights[name].float32()
         assert type(ours) is type(q) and np.array_equal(ours.float32(), q.float32()), name
+        assert getattr(ours, "dynamic_activations", False) == (fmt == "fp8-dynamic"), name
         assert ours.nbytes < w.nbytes / (3 if fmt.startswith("fp8") else 6)
         # within a step of its group (INT4), or e4m3's rounding: 3 mantissa bits, subnormals below 2^-6 of a scale
         bound = q.scale[:, q.group] if isinstance(q, Int4Weight) else np.abs(w) / 16 + 3e-6 * np.abs(w).max()

@@ -20,6 +20,7 @@ bench/RESULTS.md.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -249,8 +250,8 @@ def test_scale_rows_and_cols_matches_numpy(kernels, y_f32):
 @pytest.mark.parametrize("d_in, d_out, out_f32, scratch_rows", [(2048, 8192, False, 8192), (8192, 2048, False, 24),
                                                                 (2048, 50000, True, 16384)])
 def test_w8a8_linear_over_gemm_tiles(cuda_context, kernels, scales, d_in, d_out, out_f32, scratch_rows):
-    """With a cuBLASLt handle, FP8 tiles of more rows than the skinny GEMM takes are W8A8
-    products: numpy's product of the row-quantized activations (w8a8_rows) and the
+    """With a cuBLASLt handle, tiles of an FP8-dynamic weight (LinearWeight.w8a8) of more
+    rows than the skinny GEMM takes are W8A8 products: numpy's product of the row-quantized activations (w8a8_rows) and the
     dequantized weight, at the bfloat16 kernels' tolerance, and nearer it than the
     product of the bfloat16 activations. A scratch of 24 rows of 8,192 columns holds
     47 rows' codes: tiles of 64 and 100 rows go in chunks."""
@@ -267,7 +268,7 @@ def test_w8a8_linear_over_gemm_tiles(cuda_context, kernels, scales, d_in, d_out,
     q = quantized_weight(d_out, d_in, scales)
     x = bf16(RNG.standard_normal((rows, d_in)).astype(np.float32))
     y = gpuarray.to_gpu(np.full((rows, d_out), np.nan, np.float32)) if out_f32 else poisoned_bf16((rows, d_out))
-    linear(kernels, y, up_bf16(x), on_gpu(q), tiles)
+    linear(kernels, y, up_bf16(x), dataclasses.replace(on_gpu(q), w8a8=True), tiles)
     stream.synchronize()
     got = y.get() if out_f32 else bf16_bits_to_f32(y.get())
     w = q.float32()

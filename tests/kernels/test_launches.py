@@ -159,8 +159,8 @@ def test_fp8_weights_run_their_own_kernels(model):
     """An FP8 checkpoint (or one quantized at load) keeps its layers FP8 on the GPU: the
     single-token steps launch the FP8 GEMVs where a bfloat16 model launches the
     bfloat16 ones; a prompt step of up to 32 tokens multiplies each layer matrix by the
-    FP8 skinny GEMM where its width allows, and otherwise, as a longer one does each,
-    by a W8A8 product: its rows quantized, cuBLASLt's FP8 GEMM, the sums scaled."""
+    FP8 skinny GEMM where its width allows (else dequantizes it once, for cuBLAS), and
+    a longer one dequantizes each once."""
     from engine.backends.cuda.kernels import skinny_splits
     from engine.quantization.fp8 import Fp8Weight
 
@@ -174,16 +174,32 @@ def test_fp8_weights_run_their_own_kernels(model):
     skinny = sum(bool(skinny_splits(19, d_in, "fp8")) for d_in in widths)
     prompt = Counter(launch.kernel for launch in fp8[0])
     assert sum(n for kernel, n in prompt.items() if kernel.startswith("skinny_gemm_fp8_s")) == skinny * c.num_layers
-    assert all(prompt[kernel] == (4 - skinny) * c.num_layers
-               for kernel in ("quantize_rows_e4m3", "cublasLtMatmul", "scale_rows_and_cols"))
-    assert "dequantize_fp8" not in prompt
+    assert prompt["dequantize_fp8"] == (4 - skinny) * c.num_layers
     for ours, theirs in zip(fp8[1:], bf16[1:]):  # (the GEMVs' grids differ: gemv_rows_per_block)
         assert any(launch.kernel.endswith("_fp8") for launch in ours)
         assert [launch.kernel.replace("_fp8", "") for launch in ours] == [launch.kernel for launch in theirs]
     long_prompt = engine_steps(quantized, [(list(range(1, 100)), dict(GREEDY, max_tokens=1))], cuda_graphs=False)
-    launched = Counter(launch.kernel for launch in long_prompt[0])
-    assert [launched[k] for k in ("quantize_rows_e4m3", "cublasLtMatmul", "scale_rows_and_cols")] == [4 * c.num_layers] * 3
-    assert "dequantize_fp8" not in launched
+    assert Counter(launch.kernel for launch in long_prompt[0])["dequantize_fp8"] == 4 * c.num_layers
+
+
+def test_fp8_dynamic_weights_take_w8a8_products_past_the_skinny_gemm(model):
+    """Weights whose checkpoint quantizes the activations too (FP8-dynamic): a prompt
+    step's products of more rows than the skinny GEMM takes quantize their rows,
+    multiply the codes by cuBLASLt's FP8 GEMM and scale the sums, instead of
+    dequantizing the weight; single-token steps are as plain FP8's."""
+    from devtools.quantized import fp8_fast
+
+    def fp8(dynamic: bool):
+        return dataclasses.replace(model, weights={
+            name: dataclasses.replace(fp8_fast(t.float32()), dynamic_activations=dynamic) if is_layer_matrix(name, t) else t
+            for name, t in model.weights.items()})
+
+    requests = [(list(range(1, 100)), dict(GREEDY, max_tokens=3))]
+    dynamic, plain = engine_steps(fp8(True), requests, cuda_graphs=False), engine_steps(fp8(False), requests, cuda_graphs=False)
+    launched, layers = Counter(launch.kernel for launch in dynamic[0]), model.config.num_layers
+    assert [launched[k] for k in ("quantize_rows_e4m3", "cublasLtMatmul", "scale_rows_and_cols")] == [4 * layers] * 3
+    assert "dequantize_fp8" not in launched and Counter(launch.kernel for launch in plain[0])["dequantize_fp8"] == 4 * layers
+    assert [[launch.kernel for launch in step] for step in dynamic[1:]] == [[launch.kernel for launch in step] for step in plain[1:]]
 
 
 def test_fp8_of_a_block_size_the_kernels_do_not_read_runs_as_bfloat16(model):

@@ -23,7 +23,7 @@ from engine.backends.cuda.cublaslt import CublasLt
 from engine.backends.cuda.step_graphs import PROMPT_BUCKETS, StepGraphs
 from engine.backends.cuda.forward import ForwardPass
 from engine.backends.cuda.kernels import MAX_PART_BLOCKS, Kernels, prefill_query_rows
-from engine.backends.cuda.linear import FP8, Linear
+from engine.backends.cuda.linear import Linear
 from engine.backends.cuda.sampler import GpuSampler
 from engine.backends.cuda.step_metadata import PARTITION, SMALL_DECODE, StepShape, build_metadata, step_shape
 from engine.backends.cuda.weights import DeviceWeights
@@ -94,9 +94,9 @@ class CudaBackend:
             # FP8 matrices stay FP8 (weights.py); other quantized ones are uploaded as bfloat16
             self.weight_dtype = " and ".join(sorted({FORMAT_NAMES[f] for f in self.weights.formats}))
             scratch = self.weights.scratch_bytes
-            lt = CublasLt(self.stream.handle, int(self.workspace), WORKSPACE_BYTES) if FP8 in self.weights.formats else None
+            lt = CublasLt(self.stream.handle, int(self.workspace), WORKSPACE_BYTES) if self.weights.w8a8 else None
             self.linear = Linear(self.blas, self.stream, gpuarray.empty(scratch // 2, np.uint16) if scratch else None,
-                                 lt=lt)  # (FP8 tiles of many rows: W8A8 products through cuBLASLt)
+                                 lt=lt)  # (the W8A8 products of FP8-dynamic checkpoints: linear.py)
             # cos and sin of every RoPE angle the model meets (vLLM's cos_sin_cache): a
             # position's row is read by every layer, with nothing to compute
             self.cos_sin = gpuarray.empty((config.max_position_embeddings, config.head_dim // 2, 2), np.float32)
@@ -104,8 +104,8 @@ class CudaBackend:
                                       config.max_position_embeddings)
             self.sampler = GpuSampler(self.kernels, self.stream, config.vocab_size, self.pool.allocate)
             self.stream.synchronize()
-        log.info("CUDA backend on %s: %.2f GB of weights (%s)", self.device.name(), self.weights.nbytes / 1e9,
-                 self.weight_dtype)
+        log.info("CUDA backend on %s: %.2f GB of weights (%s%s)", self.device.name(), self.weights.nbytes / 1e9,
+                 self.weight_dtype, "; FP8 activations in steps of many tokens" if self.weights.w8a8 else "")
         self._graph_settings = (cuda_graphs, graph_max_batch, graph_max_context, PROMPT_BUCKETS if prompt_graphs else ())
         self.cache: KvCache | None = None
         self.forward_pass: ForwardPass | None = None

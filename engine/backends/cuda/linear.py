@@ -2,8 +2,9 @@
 
 A GEMM tile of one row takes our GEMV (gemv.cu), in the weight's format. A tile of 2 to
 32 rows of an FP8 weight takes our skinny GEMM (skinny_gemm.cu), which reads the codes
-once. Larger tiles of an FP8 weight with a scale a row are W8A8 products, given a
-cuBLASLt handle (`lt`): the tile's rows quantized to e4m3 a token at a time, the codes
+once. Larger tiles of an FP8 weight whose checkpoint quantizes its activations too
+(LinearWeight.w8a8: an FP8-dynamic checkpoint) are W8A8 products, given a cuBLASLt
+handle (`lt`): the tile's rows quantized to e4m3 a token at a time, the codes
 multiplied on the FP8 tensor cores (cuBLASLt takes one scale an operand on sm_90, so
 none there), and the sums scaled by the token's scale and the weight row's
 (fp8_activations.cu); at 1,024 rows a layer's four products take 105 µs against 171 in
@@ -47,6 +48,7 @@ class LinearWeight:
     d_in: int
     scale: Any = None  # fp8, int4: a GPUArray of float32
     scale_cols: int = 0
+    w8a8: bool = False  # fp8 with a scale a row: its checkpoint's activations are FP8 too (Fp8Weight.dynamic_activations)
 
     @property
     def nbytes(self) -> int:
@@ -90,7 +92,7 @@ class Linear:
                 self.blas.gemm(y_ptr, y_type, x_ptr, DataType.BF16, int(w.data.gpudata), DataType.BF16, rows, w.d_in,
                                w.d_out)
             return
-        if w.format == FP8 and not w.scale_cols and self.lt is not None:
+        if w.w8a8 and self.lt is not None:
             gemm_tiles = [t for t in gemm_tiles if not self._w8a8(kernels, *t, w, y_type)]
             if not gemm_tiles:
                 return

@@ -42,7 +42,8 @@ def fp8_linear(tensor: Fp8Weight) -> LinearWeight:
     if tensor.block is None:  # per row, or one for the tensor given to every row
         scale = np.broadcast_to(scale.reshape(-1), (d_out,))
     return LinearWeight(FP8, gpuarray.to_gpu(np.ascontiguousarray(tensor.codes)), d_out, d_in,
-                        gpuarray.to_gpu(np.ascontiguousarray(scale)), 0 if tensor.block is None else scale.shape[1])
+                        gpuarray.to_gpu(np.ascontiguousarray(scale)), 0 if tensor.block is None else scale.shape[1],
+                        w8a8=tensor.dynamic_activations and tensor.block is None)
 
 
 def int4_group_columns(tensor) -> int | None:
@@ -74,18 +75,25 @@ class DeviceWeights:
     layers: list[dict[str, LinearWeight | gpuarray.GPUArray]]
     nbytes: int
 
+    def _matrices(self) -> list[LinearWeight]:
+        return [w for w in [self.lm_head, *(w for layer in self.layers for w in layer.values())]
+                if isinstance(w, LinearWeight)]
+
     @property
     def formats(self) -> set[str]:
         """The formats of the matrices as uploaded."""
-        return {w.format for w in [self.lm_head, *(w for layer in self.layers for w in layer.values())]
-                if isinstance(w, LinearWeight)}
+        return {w.format for w in self._matrices()}
+
+    @property
+    def w8a8(self) -> bool:
+        """Whether any matrix takes W8A8 products (LinearWeight.w8a8)."""
+        return any(w.w8a8 for w in self._matrices())
 
     @property
     def scratch_bytes(self) -> int:
         """The bfloat16 scratch a quantized weight is dequantized into for cuBLAS: its
         largest matrix, up to SCRATCH_BYTES (larger ones go in chunks of rows); 0 if none."""
-        matrices = [self.lm_head, *(w for layer in self.layers for w in layer.values() if isinstance(w, LinearWeight))]
-        sizes = [2 * w.d_out * w.d_in for w in matrices if w.format != BF16]
+        sizes = [2 * w.d_out * w.d_in for w in self._matrices() if w.format != BF16]
         return min(max(sizes, default=0), SCRATCH_BYTES)
 
     @staticmethod
