@@ -6,8 +6,9 @@ the GPU's tests and benchmarks (the 1B shape in each format):
     python -m devtools.quantized SOURCE_DIR OUT_DIR --format gptq [--group 128]
 
 The values: INT4 asymmetric per group (its range's min and max, 0 included: the zero
-point is a nibble), FP8 e4m3 with a scale per row or per 128 x 128 block (fp8-dynamic: a scale per row, and
-a config that says the activations are quantized a token at a time when served).
+point is a nibble), FP8 e4m3 with a scale per row or per 128 x 128 block (fp8-dynamic:
+a scale per row, and a config that says the activations are quantized a token at a
+time when served).
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ class LtPlan:
     """A shape's descriptors and the heuristic's candidate algorithms for it, best guess first."""
 
     def __init__(self, lt: CublasLt, shape: GemmShape, count: int):
-        lib, self.lt, self.shape, s = lt.lib, lt, shape, shape
+        self.lt, self.shape = lt, shape
+        lib, s = lt.lib, shape
         self.desc, self.layouts = ctypes.c_void_p(), []
         check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, int(DataType.F32)),
                  "cublasLtMatmulDescCreate")
