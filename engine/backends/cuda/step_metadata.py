@@ -23,6 +23,7 @@ take their whole contexts at once (is_whole_context_prompt).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -224,8 +225,9 @@ def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int,
     generated = positions >= prompt_lens[seq_of_token]
     row = np.where(generated, np.cumsum(generated) - 1, shape.generated_rows + np.cumsum(~generated) - 1)
 
-    out = np.empty(sum(field_sizes(shape)), np.int32)
-    f = dict(zip(FIELDS, np.split(out, np.cumsum(field_sizes(shape))[:-1])))
+    offsets = list(itertools.accumulate(field_sizes(shape), initial=0))
+    out = np.empty(offsets[-1], np.int32)
+    f = {name: out[a:b] for name, a, b in zip(FIELDS, offsets, offsets[1:])}
     tables = f["tables"].reshape(shape.seqs, shape.max_blocks)
     tables[:] = dummy_block
     if n:
