@@ -202,6 +202,30 @@ def test_fp8_dynamic_weights_take_w8a8_products_past_the_skinny_gemm(model):
     assert [[launch.kernel for launch in step] for step in dynamic[1:]] == [[launch.kernel for launch in step] for step in plain[1:]]
 
 
+def test_w8a8_plans_are_kept_for_the_shapes_used_last(model):
+    """Each W8A8 product's shape (its rows among them) takes a cuBLASLt plan: prompts of
+    many lengths keep only the last MAX_PLANS, and still multiply W8A8."""
+    import importlib
+
+    from devtools.quantized import fp8_model
+
+    quantized = fp8_model(model, dynamic_activations=True)
+    with recording_pycuda() as launches:
+        from engine.backends.cuda.backend import CudaBackend
+
+        importlib.import_module("engine.backends.cuda.linear").MAX_PLANS = 6  # (4 a prompt length: qkv, o, gate/up, down)
+        backend = CudaBackend(quantized.config, quantized.model_weights(), cuda_graphs=False)
+        engine = LLMEngine(quantized, backend, EngineConfig(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=256))
+        for i, n in enumerate((33, 40, 50)):
+            prompt = list(range(100 * i + 1, 100 * i + n + 1))  # (no prefix in common: every row computed)
+            engine.add(engine.make_sequence(f"r{i}", prompt, SamplingParams(**dict(GREEDY, max_tokens=1))))
+            launches.clear()
+            while engine.has_work():
+                engine.step()
+            assert Counter(launch.kernel for launch in launches)["cublasLtMatmul"] == 4 * model.config.num_layers
+        assert len(backend.linear._plans) == 6 and {shape.tokens for shape in backend.linear._plans} == {40, 50}
+
+
 def test_fp8_of_a_block_size_the_kernels_do_not_read_runs_as_bfloat16(model):
     """Block scales other than 128 x 128 are uploaded dequantized: a bfloat16 model's launches."""
     from devtools.quantized import fp8_fast

@@ -20,6 +20,7 @@ forward.py (the GEMVs that also normalise, rotate or activate) exist in each for
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from engine.backends.cuda.kernels import Kernels, skinny_split
 BF16, FP8, INT4 = "bf16", "fp8", "int4"
 FORMATS = (BF16, FP8, INT4)
 SKINNY_TILES = {FP8: 32}  # the formats whose tiles of 2 rows to this many take the skinny GEMM
+MAX_PLANS = 256  # cuBLASLt plans of W8A8 products kept (Linear._plan)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ class Linear:
     def __init__(self, blas: Cublas, stream, scratch=None, skinny_tiles: dict[str, int] = SKINNY_TILES,
                  lt: CublasLt | None = None):
         self.blas, self.stream, self.scratch, self.skinny_tiles, self.lt = blas, stream, scratch, skinny_tiles, lt
-        self._plans: dict[GemmShape, LtPlan | None] = {}  # the W8A8 products' (None: cuBLASLt has no algorithm)
+        # the W8A8 products' plans, most recently used last (None: cuBLASLt has no algorithm)
+        self._plans: OrderedDict[GemmShape, LtPlan | None] = OrderedDict()
 
     def __call__(self, kernels: Kernels, y, x, w: LinearWeight, tiles: list[tuple[int, int]]) -> None:
         """y [rows, d_out] (bfloat16, or float32 for logits) from x [rows, d_in] in bfloat16,
@@ -122,13 +125,23 @@ class Linear:
         return True
 
     def _plan(self, shape: GemmShape) -> LtPlan | None:
-        """cuBLASLt's descriptors and algorithms for a W8A8 product's shape, made once."""
-        if shape not in self._plans:
-            plan = self.lt.plan(shape, 1)
-            self._plans[shape] = plan if plan.candidates else None
-            if not plan.candidates:
-                plan.close()
-        return self._plans[shape]
+        """cuBLASLt's descriptors and algorithm for a W8A8 product's shape, kept for the
+        MAX_PLANS shapes used last: eager prompt steps come in any number of rows, and
+        asking the heuristic takes the host ~0.1 ms. (A CUDA graph keeps what it
+        captured: a plan's descriptors are read only when a product is queued.)"""
+        if shape in self._plans:
+            self._plans.move_to_end(shape)
+            return self._plans[shape]
+        plan = self.lt.plan(shape, 1)
+        if not plan.candidates:
+            plan.close()
+            plan = None
+        self._plans[shape] = plan
+        if len(self._plans) > MAX_PLANS:
+            _, oldest = self._plans.popitem(last=False)
+            if oldest is not None:
+                oldest.close()
+        return plan
 
     def _skinny(self, kernels: Kernels, w: LinearWeight, rows: int) -> bool:
         """Whether a tile of `rows` rows takes the skinny GEMM."""
