@@ -7,7 +7,9 @@ activations and outputs are bfloat16); their fused variants bit for bit against 
 GEMV followed by the kernels they replace, as the bfloat16 ones are tested; the
 dequantizing kernels exactly; the FP8 skinny GEMM for every split; a Linear over GEMM
 tiles (cuBLAS on the dequantized weight, in chunks of rows where the scratch buffer is
-smaller than the weight).
+smaller than the weight); the two ends of W8A8 products (activations quantized a row at a
+time, sums scaled by row and column) bit for bit against numpy, and a Linear of W8A8
+tiles against numpy's product of the quantized activations.
 
 The whole model at the Llama 3.2 1B shape (random weights from a fixed seed), with its
 layers in FP8 (per-row or block scales, the head too or not), over 40 prompts of 1 to
@@ -251,10 +253,11 @@ def test_scale_rows_and_cols_matches_numpy(kernels, y_f32):
                                                                 (2048, 50000, True, 16384)])
 def test_w8a8_linear_over_gemm_tiles(cuda_context, kernels, scales, d_in, d_out, out_f32, scratch_rows):
     """With a cuBLASLt handle, tiles of an FP8-dynamic weight (LinearWeight.w8a8) of more
-    rows than the skinny GEMM takes are W8A8 products: numpy's product of the row-quantized activations (w8a8_rows) and the
-    dequantized weight, at the bfloat16 kernels' tolerance, and nearer it than the
-    product of the bfloat16 activations. A scratch of 24 rows of 8,192 columns holds
-    47 rows' codes: tiles of 64 and 100 rows go in chunks."""
+    rows than the skinny GEMM takes are W8A8 products: numpy's product of the
+    row-quantized activations (w8a8_rows) and the dequantized weight, at the bfloat16
+    kernels' tolerance, and nearer it than the product of the bfloat16 activations. A
+    scratch of 24 rows of 8,192 columns holds 47 rows' codes: tiles of 64 and 100 rows go
+    in chunks."""
     import pycuda.driver as cuda
 
     from engine.backends.cuda.cublas import Cublas
