@@ -1,9 +1,10 @@
-"""FP8 tensor-core GEMMs through cuBLASLt against what FP8 weights take today (each
+"""FP8 tensor-core GEMMs through cuBLASLt against what plain FP8 weights take (each
 matrix dequantized to bfloat16, then cuBLAS) and against bfloat16 weights, for each layer
 matrix of the Llama 3.2 1B shape at steps of 64 to 4,096 rows: µs a product (replayed
 over the 16 layers' copies in a CUDA graph: bench/quantized.py's replay_us), beside the
 floor (the larger of the FP8 weight's bytes over 4.27 TB/s and its FLOPs over the
-H200's 1,979 dense FP8 TFLOP/s).
+H200's 1,979 dense FP8 TFLOP/s). `w8a8` is the engine's product for FP8-dynamic
+checkpoints (linear.py: the rows quantized, the product, the rescale), all of it.
 
 cuBLASLt's FP8 products scale their operands as a ScaleMode says. The modes tried:
 `rows`, w's scale per output row with x's per token (OUTER_VEC_32F: per-row FP8
@@ -21,9 +22,9 @@ refuses gives the status it refused with.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,7 @@ from devtools.quantized import fp8_model  # noqa: E402
 from engine.backends.cuda.backend import WORKSPACE_BYTES, CudaBackend  # noqa: E402
 from engine.backends.cuda.cublas import CublasError, DataType  # noqa: E402
 from engine.backends.cuda.cublaslt import CublasLt, GemmShape, ScaleMode  # noqa: E402
+from engine.backends.cuda.linear import Linear  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.quantization.fp8 import E4M3_MAX, e4m3_to_f32  # noqa: E402
 from engine.weights import bf16_bits_to_f32  # noqa: E402
@@ -43,7 +45,7 @@ from engine.weights import bf16_bits_to_f32  # noqa: E402
 FP8_PEAK = 1979e12  # FLOP/s, dense e4m3 with float32 accumulation (H200)
 
 
-@dataclass
+@dataclasses.dataclass
 class Operand:
     """An FP8 operand as cuBLASLt gets it: codes, and scales on the GPU; and the same
     scales expanded to one per element on the host, for the check."""
@@ -149,13 +151,15 @@ def main() -> None:
     models = {"bf16": base, "fp8": fp8_model(base), "fp8 blocks": fp8_model(base, (128, 128))}
     backends = {name: CudaBackend(m.config, m.model_weights(), cuda_graphs=False) for name, m in models.items()}
     backend = backends["fp8"]
-    print(f"{'matrix':<26} | {'rows':>5} | {'floor':>6} | {'bf16':>6} | {'fp8 deq.':>8} | "
+    print(f"{'matrix':<26} | {'rows':>5} | {'floor':>6} | {'bf16':>6} | {'fp8 deq.':>8} | {'w8a8':>6} | "
           + " | ".join(f"{m:>15}" for m in MODES) + "   (µs a product (max err))", flush=True)
     with backend._context():
         lt = CublasLt(backend.stream.handle, int(backend.workspace), WORKSPACE_BYTES)
+        w8a8_linear = Linear(backend.blas, backend.stream, backend.linear.scratch, lt=lt)
         matrices = {name: layer_matrices(b) for name, b in backends.items()}
         for matrix, ws_bf16 in matrices["bf16"].items():
             ws_fp8 = matrices["fp8"][matrix]
+            ws_w8a8 = [dataclasses.replace(w, w8a8=True) for w in ws_fp8]
             weights = [weight_operands(w, b) for w, b in zip(ws_fp8, matrices["fp8 blocks"][matrix])]
             d_out, d_in = ws_fp8[0].d_out, ws_fp8[0].d_in
             x = bf16_rows(max(row_counts), d_in)
@@ -173,8 +177,13 @@ def main() -> None:
                     for w in ws_fp8:
                         backend.linear(backend.kernels, y[:rows], x[:rows], w, [(0, rows)])
 
+                def w8a8_pass() -> None:
+                    for w in ws_w8a8:
+                        w8a8_linear(backend.kernels, y[:rows], x[:rows], w, [(0, rows)])
+
                 cells = [f"{replay_us(backend, bf16_pass, len(ws_bf16)):6.1f}",
-                         f"{replay_us(backend, dequantized_pass, len(ws_fp8)):8.1f}"]
+                         f"{replay_us(backend, dequantized_pass, len(ws_fp8)):8.1f}",
+                         f"{replay_us(backend, w8a8_pass, len(ws_w8a8)):6.1f}"]
                 for mode in MODES:
                     ws_mode = [w[mode] for w in weights]
                     cells.append(f"{fp8_cell(lt, backend, mode, rows, y, activations[mode], ws_mode, d_in, d_out):>15}")
