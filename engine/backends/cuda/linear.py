@@ -111,13 +111,15 @@ class Linear:
         """A tile's W8A8 product, in chunks of the rows the scratch holds (codes, then
         their scales); False where cuBLASLt has no algorithm for it."""
         chunk = self.scratch.nbytes // (w.d_in + 4)
-        codes = int(self.scratch.gpudata)
-        for first in range(0, rows, chunk):
-            n = min(chunk, rows - first)
-            plan = self._plan(GemmShape(n, w.d_in, w.d_out, y_type, DataType.E4M3, DataType.E4M3))
-            if plan is None:
-                return False
-            scales, y_bytes = codes + n * w.d_in, 4 if y_type == DataType.F32 else 2
+        firsts = range(0, rows, chunk)
+        plans = [self._plan(GemmShape(min(chunk, rows - first), w.d_in, w.d_out, y_type, DataType.E4M3, DataType.E4M3))
+                 for first in firsts]
+        if None in plans:
+            return False
+        codes, y_bytes = int(self.scratch.gpudata), 4 if y_type == DataType.F32 else 2
+        for first, plan in zip(firsts, plans):
+            n = plan.shape.tokens
+            scales = codes + n * w.d_in
             y_rows, x_rows = y_ptr + first * w.d_out * y_bytes, x_ptr + first * w.d_in * 2
             kernels.quantize_rows_e4m3(self.stream, codes, scales, x_rows, n, w.d_in)
             self.lt.matmul(plan, 0, y_rows, codes, int(w.data.gpudata))

@@ -67,7 +67,8 @@ class StepShape:
         """A step of a few decode tokens in contexts past SHORT_CONTEXT: its attention has
         few blocks, each walking a long partition, whose warps load a chunk ahead
         (attention.cu's PREFETCH)."""
-        return not self.prompt and self.generated <= SMALL_DECODE and self.partitions * self.partition > SHORT_CONTEXT
+        long_context = self.partitions * self.partition > SHORT_CONTEXT
+        return long_context and is_small_decode(self.generated, self.prompt, invariant=False)  # (the same sums either way)
 
     @property
     def tokens(self) -> int:
