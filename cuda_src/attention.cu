@@ -1,3 +1,5 @@
+#include <type_traits>
+
 #include "kv_cache.cuh"
 
 #ifndef HEAD_DIM
@@ -384,10 +386,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 // warp. It walks the partition's context in KV_TILE-position tiles that cp.async
 // copies into shared memory, the next tile's copy in flight while this one is used
 // (two buffers; an FP8 cache's codes are copied so, each tile then widened to bfloat16
-// in one more buffer); P V reads V's fragments with ldmatrix.trans. It computes
+// in one more buffer), so that the block's PREFILL_WARPS warps share each copy; Q K^T
+// reads K's fragments with ldmatrix, P V reads V's with ldmatrix.trans. It computes
 // S = Q K^T * scale, masks positions past the partition's end and the row's own
-// position, keeps an online softmax per row and accumulates O += P V with P rounded
-// to bfloat16 (as transformers' eager attention rounds its probabilities).
+// position (only in the tiles that hold such positions for some row of the block: the
+// last ones), keeps an online softmax per row in base 2 (the scale times log2(e) folded
+// into one multiply-add an element) and accumulates O += P V with P rounded to bfloat16
+// (as transformers' eager attention rounds its probabilities).
 // Every row visits the same positions in the same order whatever its tile, so its
 // result does not depend on the batch. grid: (query tiles, kv_heads, partitions);
 // tiles[i] = (first row, rows) of query tile i, taken last first: a sequence's later
@@ -398,21 +403,39 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 // step of thousands of prompt tokens has blocks enough without splitting contexts, and
 // its partial results would be gigabytes to write and merge at long contexts (the
 // host's step_metadata.is_whole_context_prompt).
-#define PREFILL_THREADS 128            // 4 warps
-#define M_TILE 64                      // (position, head) rows per block: 16 per warp
+#define PREFILL_WARPS 8                // 16 query rows each: 8 warps share a K/V tile's copy
+#define PREFILL_THREADS (PREFILL_WARPS * 32)
+#define M_TILE (PREFILL_WARPS * 16)    // (position, head) rows per block
 #define Q_POS (M_TILE / GROUP)         // query positions per tile (as the host's prefill_query_rows)
 #define KV_TILE (HEAD_DIM == 128 ? 32 : 64)  // two buffers of K and V fit 48 KB of shared memory
 #define PAD 8                          // bf16 of padding per shared row: conflict-free fragment reads
 #define KV_PIECE (16 / (int)sizeof(kv_t))  // cache elements in a 16-byte copy
-// Blocks an SM holds (registers): as many as before the pipelined copies; an FP8 cache's
-// widening needs a few registers more than 128 (4 blocks) allows.
-#ifdef KV_CACHE_FP8
-#define PREFILL_MIN_BLOCKS 3
+// Blocks an SM holds (registers): two, 16 warps, at 128 registers a thread; an FP8
+// cache's widening, HEAD_DIM 128's accumulators and the rows of a GROUP that is not a
+// power of two (SmolLM2's 3: divisions by it) need more, so one.
+#if defined(KV_CACHE_FP8) || HEAD_DIM == 128 || (GROUP & (GROUP - 1))
+#define PREFILL_MIN_BLOCKS 1
 #else
-#define PREFILL_MIN_BLOCKS (HEAD_DIM == 128 ? 3 : 4)
+#define PREFILL_MIN_BLOCKS 2
 #endif
 #define DIM_BLOCKS (HEAD_DIM / 8)      // n8 blocks of the output
 #define POS_BLOCKS (KV_TILE / 8)       // n8 blocks of the scores
+
+// 2^x (ex2.approx: -inf gives 0).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Four 8x8 bfloat16 matrices from shared memory: lanes 8i..8i+7 give the row addresses
+// of matrix i, and register i gets this lane's fragment of it (ldmatrix).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
 
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS) prefill_attention_partial(
     bf16* __restrict__ out,  // [tokens, heads, HEAD_DIM], or null: partial results, paged_attention_merge follows
@@ -437,8 +460,12 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
     const int first = tiles[2 * tile_index], rows = tiles[2 * tile_index + 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group_id = lane >> 2, quad = lane & 3;
     const int begin = part * partition, end = min(positions[first + rows - 1] + 1, begin + partition);
+    // Positions before this one are in every row's context (the tile's first row has the
+    // earliest position): only tiles that reach past it take the mask.
+    const int unmasked_end = min(end, positions[first] + 1);
     const int* table = block_tables + (size_t)token_seq[first] * max_blocks;
     const size_t width = (size_t)(heads + 2 * kv_heads) * HEAD_DIM;
+    const float scale_log2 = scale * 1.4426950408889634f;  // exp(x * scale) = 2^(x * scale_log2)
 
     // This thread's two fragment rows: warp * 16 + group_id and 8 below it.
     int row_t[2], row_h[2], row_pos[2];
@@ -463,7 +490,8 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
     float o[DIM_BLOCKS][4];
 #pragma unroll
     for (int j = 0; j < DIM_BLOCKS; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l: this lane's share of the row
+    // Per row: the largest score so far (unscaled) and this lane's share of the sum.
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
     // Copies tile `tile`'s K and V rows into buffer `buf`, zeros past the end (one commit group).
     auto stage = [&](int buf, int tile) {
@@ -477,7 +505,9 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
         copy_commit();
     };
     if (begin < end) stage(0, begin);
-    for (int tile = begin, buf = 0; tile < end; tile += KV_TILE, buf ^= 1) {
+    // One tile's step; `masked` (compile-time: std::true_type) where the tile reaches past
+    // a row's own position or the partition's end, which only the last tiles do.
+    auto step = [&](int tile, int buf, auto masked) {
         if (tile + KV_TILE < end) {
             stage(buf ^ 1, tile + KV_TILE);
             copy_wait<1>();  // this tile's group is done (the next one may still be in flight)
@@ -504,33 +534,41 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
         const int tb = buf;
 #endif
 
+        // S = Q K^T, unscaled. K's B fragments for 32 dims at once: lanes 8i..8i+7 address
+        // the block's 8 positions at dims kk * 16 + 8i.. (i = 0..3: k-steps kk and kk + 1).
         float s[POS_BLOCKS][4];  // C fragments: {row, cols 2q, 2q+1}, {row + 8, cols 2q, 2q+1}
 #pragma unroll
         for (int jb = 0; jb < POS_BLOCKS; jb++) {
             s[jb][0] = s[jb][1] = s[jb][2] = s[jb][3] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-                const bf16* k_row = &k_s[tb][jb * 8 + group_id][kk * 16 + 2 * quad];
-                mma_bf16(s[jb], q[kk], *reinterpret_cast<const uint32_t*>(k_row),
-                         *reinterpret_cast<const uint32_t*>(k_row + 8));
+            for (int kk = 0; kk < HEAD_DIM / 16; kk += 2) {
+                uint32_t b[4];
+                ldmatrix_x4(b, &k_s[tb][jb * 8 + (lane & 7)][kk * 16 + (lane >> 3) * 8]);
+                mma_bf16(s[jb], q[kk], b[0], b[1]);
+                mma_bf16(s[jb], q[kk + 1], b[2], b[3]);
             }
+        }
+        if constexpr (decltype(masked)::value) {  // the partition's end; causal
+#pragma unroll
+            for (int jb = 0; jb < POS_BLOCKS; jb++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int p = tile + jb * 8 + 2 * quad + (c & 1);
+                    if (p >= end || p > row_pos[c >> 1]) s[jb][c] = -INFINITY;
+                }
         }
         float m_new[2] = {m_run[0], m_run[1]};
 #pragma unroll
         for (int jb = 0; jb < POS_BLOCKS; jb++)
 #pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int i = c >> 1, p = tile + jb * 8 + 2 * quad + (c & 1);
-                s[jb][c] = p < end && p <= row_pos[i] ? s[jb][c] * scale : -INFINITY;  // the partition's end; causal
-                m_new[i] = fmaxf(m_new[i], s[jb][c]);
-            }
-        float ref[2], rescale[2];
+            for (int c = 0; c < 4; c++) m_new[c >> 1] = fmaxf(m_new[c >> 1], s[jb][c]);
+        float ref[2], rescale[2];  // ref: the row's max in base-2 units
 #pragma unroll
         for (int i = 0; i < 2; i++) {  // the row's max over the four lanes that hold it
             m_new[i] = fmaxf(m_new[i], __shfl_xor_sync(0xffffffff, m_new[i], 1));
             m_new[i] = fmaxf(m_new[i], __shfl_xor_sync(0xffffffff, m_new[i], 2));
-            ref[i] = m_new[i] == -INFINITY ? 0.f : m_new[i];  // as in paged_attention_partial
-            rescale[i] = __expf(m_run[i] - ref[i]);
+            ref[i] = m_new[i] == -INFINITY ? 0.f : m_new[i] * scale_log2;  // as in paged_attention_partial
+            rescale[i] = exp2_approx(fmaf(m_run[i], scale_log2, -ref[i]));
             l_run[i] *= rescale[i];
             m_run[i] = m_new[i];
         }
@@ -547,7 +585,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
             for (int h = 0; h < 2; h++)
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
-                    p[h][c] = __expf(s[2 * kk + h][c] - ref[c >> 1]);  // 0 where masked
+                    p[h][c] = exp2_approx(fmaf(s[2 * kk + h][c], scale_log2, -ref[c >> 1]));  // 0 where masked
                     l_run[c >> 1] += p[h][c];
                 }
             const uint32_t a[4] = {pack_bf16(p[0][0], p[0][1]), pack_bf16(p[0][2], p[0][3]),
@@ -563,7 +601,10 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
             }
         }
         __syncthreads();  // every warp is done with this buffer before the next tile but one is copied into it
-    }
+    };
+    int tile = begin, buf = 0;
+    for (; tile + KV_TILE <= unmasked_end; tile += KV_TILE, buf ^= 1) step(tile, buf, std::false_type());
+    for (; tile < end; tile += KV_TILE, buf ^= 1) step(tile, buf, std::true_type());
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         float l = l_run[i] + __shfl_xor_sync(0xffffffff, l_run[i], 1);
@@ -582,7 +623,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
             *reinterpret_cast<float2*>(part_acc + part_idx * HEAD_DIM + j * 8 + 2 * quad) =
                 make_float2(o[j][2 * i], o[j][2 * i + 1]);
         if (quad == 0) {
-            part_max[part_idx] = m_run[i];  // (-inf past this row's position: the merge does not read it)
+            part_max[part_idx] = m_run[i] * scale;  // (-inf past this row's position: the merge does not read it)
             part_sum[part_idx] = l;
         }
     }

@@ -20,7 +20,7 @@ import numpy as np
 
 CUDA_SRC = Path(__file__).resolve().parents[3] / "cuda_src"
 ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
-PREFILL_THREADS, PREFILL_M_TILE = 128, 64  # as in attention.cu
+PREFILL_THREADS, PREFILL_M_TILE = 256, 128  # as in attention.cu
 MAX_PART_BLOCKS = 256  # as in attention.cu
 WHOLE_CONTEXT = 2**30  # a partition longer than any context
 GEMV_WARPS = 8  # as in gemv.cu
