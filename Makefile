@@ -65,6 +65,7 @@ gpu-bench:
 	$(PYTHON) bench/engine_throughput.py --batch-invariant --no-transformers | tee $(BENCH_OUT)/engine_throughput_invariant.txt
 	$(PYTHON) bench/profile_step.py | tee $(BENCH_OUT)/profile_step.txt
 	$(PYTHON) bench/decode_attention.py | tee $(BENCH_OUT)/decode_attention.txt
+	$(PYTHON) bench/prefill_attention.py --torch | tee $(BENCH_OUT)/prefill_attention.txt
 	$(PYTHON) bench/serve.py --model $(BENCH_OUT)/llama-1b-random --device cuda --vocab 128000 --num-prompts 256 \
 	  --max-concurrency 16,64,256 --server-arg=--max-num-seqs=256 --server-arg=--max-num-batched-tokens=8192 \
 	  --result-json $(BENCH_OUT)/serve.json --plot $(BENCH_OUT)/serve.png | tee $(BENCH_OUT)/serve.txt

@@ -7,13 +7,14 @@ partitions, 128 for a tail of up to 64 tokens: step_metadata.attention_partition
 and shorter prompts with whole contexts too, for comparison. It prints the causal
 FLOPs (QK^T and PV over the positions each token sees) per second against the H200's
 bfloat16 matmul rate, a layer's launch at a time; with --torch, the same shapes
-through PyTorch's scaled_dot_product_attention (FlashAttention) on contiguous K and V
+through PyTorch's scaled_dot_product_attention (its choice of kernel) on contiguous K and V
 beside it, where the machine has PyTorch. --kv-cache-dtype fp8 reads a cache of e4m3
 codes.
 
     python bench/prefill_attention.py [--sources DIR] [--torch] [--kv-cache-dtype fp8]   # on a machine with an NVIDIA GPU
 
---sources compiles another version of cuda_src/ (as in bench/decode_attention.py).
+--sources compiles another version of cuda_src/ (as in bench/decode_attention.py) whose
+prefill kernel has the block geometry of this checkout's launcher (PREFILL_THREADS, M_TILE).
 """
 
 from __future__ import annotations
