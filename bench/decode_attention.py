@@ -21,6 +21,7 @@ import argparse
 import itertools
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,12 @@ def time_attention(kernels: Kernels, spin, x: dict, partition: int, merge_in_ker
                                         prefetch=prefetch)
         if not merge_in_kernel:
             kernels.paged_attention_merge(None, out, attention, T)
+    return time_launches(spin, launch)
+
+
+def time_launches(spin, launch: Callable[[], None]) -> float:
+    """Mean GPU time of `launch`, in seconds: after 3 warm-up calls, REPEATS of them
+    queued behind `spin`."""
     for _ in range(3):
         launch()
     start, end = cuda.Event(), cuda.Event()

@@ -33,7 +33,8 @@ from pycuda.compiler import SourceModule
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.decode_attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, REPEATS, SPIN_CYCLES, SPIN_SOURCE  # noqa: E402
+from bench.decode_attention import (  # noqa: E402
+    BLOCK, HEAD_DIM, HEADS, KV_HEADS, REPEATS, SPIN_CYCLES, SPIN_SOURCE, time_launches)
 from bench.engine_throughput import PEAK  # noqa: E402
 from engine.backends.cuda.kernels import CUDA_SRC, Kernels, PagedAttention, prefill_query_rows  # noqa: E402
 from engine.backends.cuda.step_metadata import attention_partition, is_whole_context_prompt  # noqa: E402
@@ -90,16 +91,7 @@ def time_prefill(kernels: Kernels, spin, tokens: int, x: dict, whole: bool) -> t
                                           x["num_tiles"])
         if not whole:
             kernels.paged_attention_merge(None, out, attention, tokens)
-    for _ in range(3):
-        launch()
-    start, end = cuda.Event(), cuda.Event()
-    spin(np.int64(SPIN_CYCLES), block=(1, 1, 1), grid=(1, 1))
-    start.record()
-    for _ in range(REPEATS):
-        launch()
-    end.record()
-    end.synchronize()
-    return end.time_since(start) / REPEATS / 1e3, "whole contexts" if whole else f"{P} x {partition} + merge"
+    return time_launches(spin, launch), "whole contexts" if whole else f"{P} x {partition} + merge"
 
 
 def time_torch(tokens: int, cached: int) -> float:
