@@ -10,6 +10,9 @@ cuBLASLt multiplies FP8 in).
 FP8 operands (DataType.E4M3) carry scales, each read as its ScaleMode says: w's per
 output row and x's per token (OUTER_VEC_32F), or w's per 128 x 128 block and x's per
 128 columns of a token (BLK128x128_32F, VEC128_32F), or one for the whole operand.
+cuBLASLt 13.1 on the H200 takes only the last (SCALAR_32F): its heuristic refuses the
+others (bench/fp8_gemm.py probes each), so the engine's W8A8 products pass scales of 1
+and apply theirs in a kernel of their own (linear.py).
 """
 
 from __future__ import annotations

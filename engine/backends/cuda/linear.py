@@ -95,8 +95,9 @@ class Linear:
                 self.blas.gemm(y_ptr, y_type, x_ptr, DataType.BF16, int(w.data.gpudata), DataType.BF16, rows, w.d_in,
                                w.d_out)
             return
-        if w.w8a8 and self.lt is not None:
-            gemm_tiles = [t for t in gemm_tiles if not self._w8a8(kernels, *t, w, y_type)]
+        if w.w8a8 and self.lt is not None:  # (tiles cuBLASLt has no FP8 algorithm for dequantize, below)
+            gemm_tiles = [(y_ptr, x_ptr, rows) for y_ptr, x_ptr, rows in gemm_tiles
+                          if not self._w8a8(kernels, y_ptr, x_ptr, rows, w, y_type)]
             if not gemm_tiles:
                 return
         chunk = min(w.d_out, self.scratch.nbytes // (2 * w.d_in))
