@@ -118,62 +118,65 @@ __device__ __forceinline__ void load_chunk(ChunkFragments& f, const kv_t* __rest
 }
 
 // Pass 2 for the GROUP heads of token t's KV head kvh, by the block's WARPS * 32
-// threads: a warp a head finds its max over the partitions, then thread (c, l) sums
-// dims 4c..4c+3 of partitions l, l + MERGE_LANES, ... of every head, and the lanes'
-// sums meet in shared memory, added in lane order. Loads bypass L1: other blocks of
-// the same launch wrote the partitions.
+// threads, in one pass over the partitions: thread (c, l) takes dims 4c..4c+3 of
+// partitions l, l + MERGE_LANES, ... of every head, keeping the largest max so far and
+// rescaling its sums when it grows. No load waits for the sums, so two partitions'
+// loads of every head are in flight together (more raise the registers past the
+// decode kernel's 96); a pass for the max first cost one round trip more (0.6 µs a
+// layer at 32,768 positions). The lanes' sums meet in shared memory, in lane order.
+// Loads bypass L1: other blocks of the same launch wrote the partitions.
 #define MERGE_COLS (HEAD_DIM / 4)                // float4 columns of a partition's row
 #define MERGE_LANES (WARPS * 32 / MERGE_COLS)  // threads a column
 __device__ __forceinline__ void merge_in_block(bf16* __restrict__ out, const float* part_acc, const float* part_max,
                                                const float* part_sum, int t, int heads, int kvh, int partitions,
                                                int spanned) {
-    __shared__ float max_s[GROUP];
     __shared__ float4 num_s[MERGE_LANES][GROUP][MERGE_COLS];
-    __shared__ float den_s[MERGE_LANES][GROUP];
+    __shared__ float max_s[MERGE_LANES][GROUP], den_s[MERGE_LANES][GROUP];
     const size_t base = ((size_t)t * heads + kvh * GROUP) * partitions;  // head kvh * GROUP + h's at base + h * partitions
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int h = warp; h < GROUP; h += WARPS) {
-        float m = -INFINITY;
-#pragma unroll 4
-        for (int p = lane; p < spanned; p += 32) m = fmaxf(m, __ldcg(part_max + base + (size_t)h * partitions + p));
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
-        if (lane == 0) max_s[h] = m;
-    }
-    __syncthreads();
     const int c = threadIdx.x % MERGE_COLS, l = threadIdx.x / MERGE_COLS;
     float4 num[GROUP];
-    float den[GROUP];
+    float den[GROUP], m[GROUP];
 #pragma unroll
     for (int h = 0; h < GROUP; h++) {
         num[h] = make_float4(0.f, 0.f, 0.f, 0.f);
         den[h] = 0.f;
+        m[h] = -INFINITY;  // (every partition spanned saw a position: its max is finite)
     }
 #pragma unroll 2
     for (int p = l; p < spanned; p += MERGE_LANES) {
 #pragma unroll
         for (int h = 0; h < GROUP; h++) {
             const size_t i = base + (size_t)h * partitions + p;
-            const float w = __expf(__ldcg(part_max + i) - max_s[h]);
+            const float part_m = __ldcg(part_max + i), part_s = __ldcg(part_sum + i);
             const float4 a = __ldcg(reinterpret_cast<const float4*>(part_acc + i * HEAD_DIM) + c);
-            num[h].x += w * a.x;
-            num[h].y += w * a.y;
-            num[h].z += w * a.z;
-            num[h].w += w * a.w;
-            den[h] += w * __ldcg(part_sum + i);
+            const float m_new = fmaxf(m[h], part_m);
+            const float old_w = __expf(m[h] - m_new), w = __expf(part_m - m_new);
+            num[h].x = num[h].x * old_w + w * a.x;
+            num[h].y = num[h].y * old_w + w * a.y;
+            num[h].z = num[h].z * old_w + w * a.z;
+            num[h].w = num[h].w * old_w + w * a.w;
+            den[h] = den[h] * old_w + w * part_s;
+            m[h] = m_new;
         }
     }
 #pragma unroll
     for (int h = 0; h < GROUP; h++) {
         num_s[l][h][c] = num[h];
-        if (c == 0) den_s[l][h] = den[h];
+        if (c == 0) {
+            max_s[l][h] = m[h];
+            den_s[l][h] = den[h];
+        }
     }
     __syncthreads();
     for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += blockDim.x) {
         const int h = e / HEAD_DIM, d = e % HEAD_DIM;
+        float mx = -INFINITY;
+        for (int k = 0; k < MERGE_LANES; k++) mx = fmaxf(mx, max_s[k][h]);
         float n = 0.f, sum = 0.f;
         for (int k = 0; k < MERGE_LANES; k++) {
-            n += reinterpret_cast<const float*>(num_s[k][h])[d];
-            sum += den_s[k][h];
+            const float w = __expf(max_s[k][h] - mx);  // 0 for a lane that took no partition
+            n += w * reinterpret_cast<const float*>(num_s[k][h])[d];
+            sum += w * den_s[k][h];
         }
         out[((size_t)t * heads + kvh * GROUP + h) * HEAD_DIM + d] = to_bf16(n / sum);
     }
