@@ -193,11 +193,13 @@ class BlockManager:
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register `seq`'s full blocks whose keys and values are computed (or queued to be:
         any step that reads them runs after) and whose tokens are all known."""
-        if not self.prefix_caching:
+        registered = seq.num_registered_blocks
+        # (the common case, checked first: every running sequence comes here every step,
+        # and one fills a block every block_size steps)
+        if not self.prefix_caching or seq.num_computed_tokens // self.block_size <= registered:
             return
         known = len(seq.prompt_ids) + len(seq.output_ids)
         full = min(min(seq.num_computed_tokens, known) // self.block_size, len(seq.block_table))
-        registered = seq.num_registered_blocks
         if full <= registered:
             return
         hashes = self._known_hashes(seq, full)
