@@ -83,9 +83,12 @@ class OutputStream:
     def __init__(self, seq: Sequence, tokenizer: Tokenizer):
         self.seq = seq
         self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_ids, seq.params.skip_special_tokens)
+        self.longest_stop = max((len(s) for s in seq.params.stop), default=0)
+        # The end of the output's text: what is not emitted yet, after the last
+        # longest_stop - 1 emitted characters (where a stop string may still begin). Text
+        # before them is dropped once sent, so a long output is not copied at each token.
         self.text = ""
         self.sent = 0  # characters of self.text already emitted
-        self.longest_stop = max((len(s) for s in seq.params.stop), default=0)
         # (both are banned before min_tokens, so sampling one means the end)
         self.stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(seq.eos_token_ids))
         self.unsent: list[SampleOutput] = []  # recorded, not yet emitted
@@ -141,19 +144,22 @@ class OutputStream:
         if params.stop and not out.finished:  # hold back what may still become a stop string
             end -= _partial_stop_suffix(self.text, params.stop)
         out.text = self.text[self.sent : end]
-        self.sent = max(self.sent, end)
+        self._sent_to(max(self.sent, end))
         return out
+
+    def _sent_to(self, sent: int) -> None:
+        """Mark self.text emitted up to `sent`, and drop what no stop string can begin in."""
+        drop = min(sent, max(0, len(self.text) - self.longest_stop + 1))
+        self.text, self.sent = self.text[drop:], sent - drop
 
     def _emit_one(self) -> RequestOutput:
         """emit() of a decode step's one token, where nothing can end the text (no stop
         strings, not the last token): its delta without the general path's bookkeeping,
-        which a host-bound step of hundreds of sequences pays for each."""
+        which a host-bound step of hundreds of sequences pays for each. (Without stop
+        strings every emit sends all the text, so self.text is empty between them.)"""
         sample = self.unsent.pop()
-        self.text += self.detokenizer.add(sample.token_id)
-        out = RequestOutput(self.seq.request_id, self.text[self.sent :], [sample.token_id],
-                            [sample.logprob] if sample.logprob is not None else [])
-        self.sent = len(self.text)
-        return out
+        return RequestOutput(self.seq.request_id, self.detokenizer.add(sample.token_id), [sample.token_id],
+                             [sample.logprob] if sample.logprob is not None else [])
 
     def _match_stop_string(self, out: RequestOutput, searched_from: int) -> bool:
         hits = [(i, s) for s in self.seq.params.stop if (i := self.text.find(s, searched_from)) >= 0]
