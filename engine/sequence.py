@@ -92,6 +92,8 @@ class Sequence:
         """The known tokens of positions start..end-1, and whether the one at end-1 is
         pending instead (then it is not in the list)."""
         known = len(self.prompt_ids) + len(self.output_ids)
+        if start >= known:  # (a decode of its pending token: the common case, with nothing to read)
+            return [], end > known
         return self.tokens(start, min(end, known)), end > known
 
     # (The counts below are read several times per sequence per step: each is spelled

@@ -203,10 +203,16 @@ def prompt_shape(tokens: int, max_blocks: int, max_context: int, query_rows: int
                      invariant=invariant)
 
 
-def _input_ids(s: ScheduledSeq, previous_samples: dict[Sequence, int] | None) -> list[int]:
-    """The step's input tokens of `s`, a pending last one as -(its index in the previous step's samples + 1)."""
-    tokens, pending = s.seq.step_tokens(s.start, s.start + s.num_tokens)
-    return tokens + [-1 - previous_samples[s.seq]] if pending else tokens
+def _input_ids(batch: list[ScheduledSeq], previous_samples: dict[Sequence, int] | None) -> list[int]:
+    """The step's input tokens, a pending last one of a sequence as -(its index in the
+    previous step's samples + 1)."""
+    ids: list[int] = []
+    for s in batch:
+        tokens, pending = s.seq.step_tokens(s.start, s.start + s.num_tokens)
+        ids += tokens
+        if pending:
+            ids.append(-1 - previous_samples[s.seq])
+    return ids
 
 
 def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int, dummy_block: int,
@@ -233,9 +239,8 @@ def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int,
     tables[:] = dummy_block
     if n:
         tables[:n][np.arange(shape.max_blocks) < table_lens[:, None]] = np.concatenate([s.seq.block_table for s in batch])
-    tokens = np.fromiter((t for s in batch for t in _input_ids(s, previous_samples)), np.int64, len(row))
     f["ids"][:] = 0
-    f["ids"][row] = tokens
+    f["ids"][row] = _input_ids(batch, previous_samples)
     f["positions"][:] = 0
     f["positions"][row] = positions
     f["slots"][:] = dummy_block * bs
