@@ -5,6 +5,7 @@ before the penalties."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -16,9 +17,35 @@ from engine.sampler import SampleOutput, TokenLogprob, log_softmax
 from engine.sequence import Sequence
 
 
+@dataclass
+class BatchRequests:
+    """What sampling reads of a batch's requests that stays fixed while they run."""
+
+    seqs: list[Sequence]
+    fields: np.ndarray  # int32 [6, rows]: the sampling kernel's per-request arrays but the last (tokens generated)
+    logprob_rows: list[int]  # rows that want logprobs
+    entry_rows: list[int]  # rows that may penalise or ban tokens: with penalties or min_tokens (_apply_penalties)
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> BatchRequests:
+        p = [q.params for q in seqs]
+        fields = np.stack([
+            np.array([x.temperature for x in p], np.float32).view(np.int32),
+            np.array([x.top_p for x in p], np.float32).view(np.int32),
+            np.array([x.top_k for x in p], np.int32),
+            np.array([x.min_p for x in p], np.float32).view(np.int32),
+            np.array([q.seed & 0xFFFFFFFF for q in seqs], np.uint32).view(np.int32),
+            np.array([(q.seed >> 32) & 0xFFFFFFFF for q in seqs], np.uint32).view(np.int32),
+        ])
+        return cls(list(seqs), fields, [i for i, x in enumerate(p) if x.top_logprobs is not None],
+                   [i for i, x in enumerate(p) if x.has_penalties or x.min_tokens])
+
+
 class GpuSampler:
     def __init__(self, kernels: Kernels, stream, vocab_size: int, allocate):
         self.kernels, self.stream, self.vocab_size, self.allocate = kernels, stream, vocab_size, allocate
+        # the last batch's: a decode samples the same sequences step after step
+        self._requests = BatchRequests.of([])
 
     def sample(self, logits: gpuarray.GPUArray, seqs: list[Sequence], sampled: gpuarray.GPUArray,
                tokens_host: np.ndarray, masks: np.ndarray | None = None) -> Callable[[], list[SampleOutput]]:
@@ -28,35 +55,32 @@ class GpuSampler:
         order; in page-locked memory, CudaBackend.host_array, their upload does not
         wait for the stream)."""
         st, S = self.stream, len(seqs)
+        if seqs != self._requests.seqs:
+            self._requests = BatchRequests.of(seqs)
+        requests = self._requests
         raw = {}
-        wants = [i for i, q in enumerate(seqs) if q.params.top_logprobs is not None]
-        if wants:
+        if requests.logprob_rows:
             host = logits.get(stream=st)
             st.synchronize()
-            raw = {i: log_softmax(host[i].astype(np.float64)) for i in wants}
+            raw = {i: log_softmax(host[i].astype(np.float64)) for i in requests.logprob_rows}
         guided = [i for i, q in enumerate(seqs) if q.guide is not None] if masks is not None else []
         if guided:  # only those rows have masks: unguided rows cost nothing
             rows = gpuarray.empty(masks.shape, np.int32, allocator=self.allocate)
             cuda.memcpy_htod_async(rows.gpudata, np.ascontiguousarray(masks, np.int32), st)
             self.kernels.apply_token_bitmask(st, logits, rows, self._upload(guided, np.int32), len(guided),
                                              masks.shape[1], self.vocab_size)
-        self._apply_penalties(logits, seqs)
-        p = [q.params for q in seqs]
-        fields = self._upload(np.stack([  # one upload: the kernel's seven per-request arrays, row by row
-            np.array([x.temperature for x in p], np.float32).view(np.int32),
-            np.array([x.top_p for x in p], np.float32).view(np.int32),
-            np.array([x.top_k for x in p], np.int32),
-            np.array([x.min_p for x in p], np.float32).view(np.int32),
-            np.array([q.seed & 0xFFFFFFFF for q in seqs], np.uint32).view(np.int32),
-            np.array([(q.seed >> 32) & 0xFFFFFFFF for q in seqs], np.uint32).view(np.int32),
-            np.array([q.num_generated for q in seqs], np.int32),
-        ]), np.int32)
+        self._apply_penalties(logits, seqs, requests.entry_rows)
+        generated = np.array([q.num_generated for q in seqs], np.int32)
+        # one upload: the kernel's seven per-request arrays, row by row
+        fields = self._upload(np.concatenate((requests.fields, generated[None])), np.int32)
         rows = [int(fields.gpudata) + 4 * S * i for i in range(7)]
         self.kernels.sample_tokens(st, sampled, logits, S, self.vocab_size, *rows)
         tokens = tokens_host[:S]
         cuda.memcpy_dtoh_async(tokens, sampled.gpudata, st)
 
         def collect() -> list[SampleOutput]:
+            if not raw:  # (no logprobs: the tokens alone)
+                return [SampleOutput(t) for t in tokens.tolist()]
             results = []
             for i, (q, t) in enumerate(zip(seqs, tokens.tolist())):
                 lp = None
@@ -71,11 +95,13 @@ class GpuSampler:
         """A small host array to the device, queued on the stream, from the memory pool."""
         return gpuarray.to_gpu_async(np.asarray(values, dtype=dtype), allocator=self.allocate, stream=self.stream)
 
-    def _apply_penalties(self, logits: gpuarray.GPUArray, seqs: list[Sequence]) -> None:
+    def _apply_penalties(self, logits: gpuarray.GPUArray, seqs: list[Sequence], candidates: list[int]) -> None:
         """An entry per (row, token) to penalise or ban: the prompt's and output's tokens
-        of rows with penalties, the banned tokens of every row."""
+        of rows with penalties, the banned tokens of every row. Only the `candidates` rows
+        can have any (a sequence bans tokens only before its min_tokens)."""
         rows, toks, counts, banned = [], [], [], []
-        for i, q in enumerate(seqs):
+        for i in candidates:
+            q = seqs[i]
             pp = q.params
             ban = set(q.banned_token_ids())  # one entry per token: two would race
             if pp.has_penalties:
