@@ -226,11 +226,11 @@ def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int,
     starts, counts, prompt_lens = _columns(batch)
     table_lens = np.fromiter((len(s.seq.block_table) for s in batch), np.int64, n)
     sampling = np.fromiter((s.samples for s in batch), bool, n)
-    ends = np.cumsum(counts)
-    seq_of_token = np.repeat(np.arange(n), counts)
-    positions = np.arange(int(counts.sum())) + np.repeat(starts - (ends - counts), counts)
+    ends = counts.cumsum()
+    seq_of_token = np.arange(n).repeat(counts)
+    positions = np.arange(int(counts.sum())) + (starts - (ends - counts)).repeat(counts)
     generated = positions >= prompt_lens[seq_of_token]
-    row = np.where(generated, np.cumsum(generated) - 1, shape.generated_rows + np.cumsum(~generated) - 1)
+    row = np.where(generated, generated.cumsum() - 1, shape.generated_rows + (~generated).cumsum() - 1)
 
     offsets = list(itertools.accumulate(field_sizes(shape), initial=0))
     out = np.empty(offsets[-1], np.int32)
@@ -256,7 +256,7 @@ def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int,
     f["sample_rows"][: len(sample_rows)] = sample_rows
     f["sample_rows"][len(sample_rows) :] = np.flatnonzero(padding)[: shape.samples - len(sample_rows)]
     prompt_counts = _prompt_counts(starts, counts, prompt_lens)
-    first_rows = shape.generated_rows + np.cumsum(prompt_counts) - prompt_counts
+    first_rows = shape.generated_rows + prompt_counts.cumsum() - prompt_counts
     tiles = [(r, min(query_rows, first + m - r)) for first, m in zip(first_rows.tolist(), prompt_counts.tolist()) if m
              for r in range(first, first + m, query_rows)]
     if len(tiles) < shape.prompt_tiles:  # a graph's: its padding rows' tiles, then the last one again (same writes)
