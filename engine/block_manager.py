@@ -105,6 +105,11 @@ class BlockManager:
         total = -(-num_tokens // self.block_size)
         return max(0, total - len(seq.block_table))
 
+    def holds(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq`'s blocks hold its first `num_tokens` tokens (no blocks_needed: a
+        decode asks this of every running sequence every step)."""
+        return num_tokens <= len(seq.block_table) * self.block_size
+
     def room(self, seq: Sequence) -> int:
         """Tokens `seq` could hold: its blocks and every one an allocation can take."""
         return (len(seq.block_table) + self.num_free_blocks) * self.block_size

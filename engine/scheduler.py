@@ -83,7 +83,7 @@ class Scheduler:
                 break
             if seq.status is SequenceStatus.RUNNING and not seq.all_sampled and seq.num_uncomputed_tokens == 1:
                 end = seq.num_computed_tokens + 1
-                if not self.block_manager.blocks_needed(seq, end) or self._make_room(seq, end, chunks):
+                if self.block_manager.holds(seq, end) or self._make_room(seq, end, chunks):
                     chunks[seq] = 1
                     budget -= 1
 
