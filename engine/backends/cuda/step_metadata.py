@@ -237,8 +237,9 @@ def build_metadata(batch: list[ScheduledSeq], shape: StepShape, block_size: int,
     f = {name: out[a:b] for name, a, b in zip(FIELDS, offsets, offsets[1:])}
     tables = f["tables"].reshape(shape.seqs, shape.max_blocks)
     tables[:] = dummy_block
-    if n:
-        tables[:n][np.arange(shape.max_blocks) < table_lens[:, None]] = np.concatenate([s.seq.block_table for s in batch])
+    if n:  # (masked as wide as the longest table: a graph's are 256 blocks wide, for 4,096 positions)
+        width = int(table_lens.max())
+        tables[:n, :width][np.arange(width) < table_lens[:, None]] = np.concatenate([s.seq.block_table for s in batch])
     f["ids"][:] = 0
     f["ids"][row] = _input_ids(batch, previous_samples)
     f["positions"][:] = 0
