@@ -184,6 +184,7 @@ class BlockManager:
             self._refs[block] += 1
         if blocks:
             seq.block_table = np.asarray(blocks, np.int32)
+        seq.num_registered_blocks = len(blocks)  # (cache_full_blocks need not look at them again)
         claimed = len(blocks) * self.block_size
         seq.num_computed_tokens = claimed
         return claimed
