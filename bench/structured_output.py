@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.backends import create_backend  # noqa: E402
+from engine.engine_loop import GIL_SWITCH_INTERVAL_S  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -112,6 +113,7 @@ def main() -> None:
     ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
     ap.add_argument("--phases", action="store_true", help="also where each step's host time goes")
     args = ap.parse_args()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # (as the engine's thread runs: EngineLoop)
     tmp = None
     if args.device == "cuda":
         from devtools.checkpoints import LLAMA_32_1B, make_model

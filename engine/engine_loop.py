@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 from typing import Callable
 
@@ -18,6 +19,12 @@ from engine.output import RequestOutput
 from engine.sequence import Sequence
 
 log = logging.getLogger("llamastream.engine")
+# A thread that lets go of the GIL (the engine's at each wait for the device, the
+# structured outputs' mask thread at each llguidance call) must get it back at once when
+# it returns, not after Python's default 5 ms: a mask thread kept waiting holds up the
+# step that samples with its masks. Measured with bench/structured_output.py and
+# bench/server_overhead.py --host-ms 1 --gil-releases 6.
+GIL_SWITCH_INTERVAL_S = 1e-4
 
 
 class EngineLoop:
@@ -32,6 +39,7 @@ class EngineLoop:
         self.fatal_error: str | None = None
 
     def start(self) -> None:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # (process-wide: this process serves)
         self._thread.start()
 
     def stop(self) -> None:

@@ -26,6 +26,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from tqdm import tqdm
 
 from engine.backends import DEFAULT_TOKEN_BUDGETS, create_backend
+from engine.engine_loop import GIL_SWITCH_INTERVAL_S
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import load_model
 from engine.structured import DEFAULT_MAX_GRAMMAR_BYTES
@@ -46,7 +47,6 @@ from server.vllm_servicer import VllmEngineServicer
 from server.streams import OutputHub
 
 log = logging.getLogger("llamastream.server")
-SWITCH_INTERVAL_S = 0.0001  # see start(); measured with bench/server_overhead.py --host-ms 1 --gil-releases 6
 CUT_WAIT_S = 5.0  # for the streams cut at the end of a drain to be told
 ENGINE_CHECK_S = 1.0  # how often the streams' hub checks that the engine still runs
 MIN_MESSAGE_BYTES = 64 * 2**10  # a response with 20 top logprobs a token, and prompts of thousands of tokens
@@ -235,7 +235,7 @@ class Server:
         # A thread that drops the GIL (the engine's at every wait for the GPU and every
         # short ctypes or PyCUDA call, or the one that reads its process's outputs) must
         # get it back from the RPC loop at once, not after Python's default 5 ms.
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.engine.start()
         self._engine_watch = asyncio.run_coroutine_threadsafe(self.requests.hub.watch(self.engine, ENGINE_CHECK_S), self.aio)
         self._on_aio(self.grpc_server.start())
