@@ -148,6 +148,9 @@ def _modules(memory: _Memory, launches: list[Launch]) -> dict[str, types.ModuleT
         def synchronize(self) -> None:
             pass
 
+        def wait_for_event(self, event) -> None:
+            pass
+
     class Event:
         def record(self, stream=None) -> None:
             pass
@@ -162,6 +165,7 @@ def _modules(memory: _Memory, launches: list[Launch]) -> dict[str, types.ModuleT
     driver.mem_get_info = lambda: (100 * 2**30, 140 * 2**30)
     driver.pagelocked_empty = lambda shape, dtype: np.zeros(shape, dtype)
     driver.memcpy_dtoh_async = lambda dest, src, stream=None: dest.fill(0)
+    driver.memcpy_htod_async = lambda dest, src, stream=None: None
     driver.device_attribute = types.SimpleNamespace(MULTIPROCESSOR_COUNT=16)
 
     class SourceModule:
@@ -216,7 +220,7 @@ def recording_pycuda() -> Iterator[list[Launch]]:
     try:
         library = _Library(launches)
         importlib.import_module("engine.backends.cuda.cublas").load_cublas = lambda name="cublas": library
-        importlib.import_module("engine.backends.cuda.graph")._driver = lambda: library
+        importlib.import_module("engine.backends.cuda.driver").libcuda = lambda: library
         yield launches
     finally:
         _forget_backend_modules()

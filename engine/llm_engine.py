@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,8 +23,8 @@ from engine.output import OutputStream, RequestOutput, Usage
 from engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
 from engine.scheduler import DEFAULT_OUTPUT_RESERVE, ScheduledSeq, Scheduler
 from engine.sequence import FinishReason, Sequence
-from engine.structured import (DEFAULT_MAX_GRAMMAR_BYTES, Guide, GuideCompiler, accept_tokens, fill_masks,
-                               start_filling_masks)
+from engine.structured import (DEFAULT_MAX_GRAMMAR_BYTES, FillingMasks, Guide, GuideCompiler, accept_tokens,
+                               fill_masks, start_filling_masks)
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("llamastream.engine")
@@ -107,17 +106,17 @@ class EngineInfo:
 class InFlightStep:
     """A batch queued on the backend, and what waits for its samples. A batch whose
     structured outputs' masks need the tokens of the step before it is queued without
-    its sampling (`wait` None): once those tokens are back its masks are filled
-    (`masks`), and `sample` queues its sampling with them before anything else is
-    queued after it."""
+    its sampling (`wait` None): once those tokens are back its masks start filling
+    (`masks`) and `sample` queues its sampling with them, before the next batch is
+    queued (a GPU queues it at once, to run once the masks are done)."""
 
     batch: list[ScheduledSeq]
     wait: Wait | None
     sample: SampleLater | None = None
-    masks: Future[np.ndarray] | None = None
+    masks: FillingMasks | None = None
 
     def queue_sampling(self) -> None:
-        self.wait = self.sample(self.masks.result())
+        self.wait = self.sample(self.masks)
 
 
 @dataclass(frozen=True)
@@ -222,12 +221,10 @@ class LLMEngine:
         """Schedule a batch and queue it on the backend; False if nothing was scheduled.
         Its sampled tokens are pending until end_step. Where a structured output's last
         token is still pending, its mask cannot be known yet: the forward pass is queued
-        now, and the sampling once end_step has that token and the masks are filled
-        (the device computes the forward pass meanwhile; the engine's thread emits
-        and schedules the next batch while another thread fills the masks)."""
+        now, and the sampling once end_step has that token, to run on the device when
+        another thread has filled the masks (meanwhile the device computes the forward
+        pass, and the engine's thread emits and schedules the next batch)."""
         batch = self.scheduler.schedule()
-        if self._in_flight and self._in_flight[-1].wait is None:  # (its sampling goes before this batch)
-            self._in_flight[-1].queue_sampling()
         if not batch:
             return False
         self._launching = batch
@@ -264,31 +261,29 @@ class LLMEngine:
 
     def end_step(self) -> None:
         """Wait for the oldest batch in flight, record its tokens and take the sequences
-        that hit a stop token, their grammar's end or their length out of the schedule;
-        then start filling the next batch's masks if its sampling waits for these tokens.
-        Deltas wait for emit()."""
+        that hit a stop token, their grammar's end or their length out of the schedule.
+        If the next batch's sampling waits for these tokens, its masks start filling and
+        its sampling is queued first. Deltas wait for emit()."""
         step = self._in_flight[0]
         if step.wait is None:
             step.queue_sampling()
         samples = step.wait()
         self._in_flight.popleft()
-        accepted = []  # (guide, token): the guides advance with the next step's masks
-        for scheduled, sample in zip(step.batch, samples):
-            seq = scheduled.seq
-            if sample is None or seq.is_finished:  # (ended while this batch ran: its token is dropped)
-                continue
-            if seq.guide is not None:
-                accepted.append((seq.guide, sample.token_id))
-            stream = self._streams[seq.request_id]
-            if stream.record(sample):
-                self.scheduler.finish(seq)
-            self._unsent.append(stream)
+        taken = [(scheduled.seq, sample) for scheduled, sample in zip(step.batch, samples)
+                 if sample is not None and not scheduled.seq.is_finished]  # (one that ended while this batch ran: dropped)
+        accepted = [(seq.guide, sample.token_id) for seq, sample in taken if seq.guide is not None]
         waiting = self._in_flight[0] if self._in_flight else None
         if waiting is not None and waiting.wait is None:
             waiting.masks = start_filling_masks(self._guides(waiting.batch), self.model.config.vocab_size,
                                                 self._mask_buffer(), accepted)
+            waiting.queue_sampling()
         else:
             accept_tokens(accepted)
+        for seq, sample in taken:
+            stream = self._streams[seq.request_id]
+            if stream.record(sample):
+                self.scheduler.finish(seq)
+            self._unsent.append(stream)
 
     def emit(self) -> list[RequestOutput]:
         """The deltas of the tokens recorded since the last call."""
@@ -312,7 +307,7 @@ class LLMEngine:
         ]
         for step in self._in_flight:  # (masks being filled read their guides: let them finish)
             if step.masks is not None:
-                step.masks.exception()
+                step.masks.done.exception()
         self._in_flight.clear()
         self._launching, self._unsent = [], []
         return failed

@@ -92,3 +92,41 @@ def pki(tmp_path_factory) -> dict[str, Path]:
     from tests.pki import make_pki
 
     return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def check_a_mask_fault_fails_its_step_only(engine: LLMEngine, prompt: list[int], monkeypatch) -> None:
+    """Served as EngineLoop serves: when filling a step's masks on their thread raises,
+    that step's requests end with the error (a GPU's stream, which waits for the masks,
+    is let go all the same), and the requests after it run."""
+    import queue
+
+    import engine.structured.guide as guide
+    from engine.engine_loop import EngineLoop
+    from engine.sequence import FinishReason
+    from engine.structured import Constraint
+
+    fill, calls = guide.fill_masks, []
+
+    def failing_fill(*args):
+        calls.append(1)
+        if len(calls) == 2:  # (the masks' thread's second step)
+            raise RuntimeError("injected mask fault")
+        return fill(*args)
+    monkeypatch.setattr(guide, "fill_masks", failing_fill)
+    ended: queue.SimpleQueue = queue.SimpleQueue()
+    loop = EngineLoop(engine, publish=lambda outs: [ended.put(o) for o in outs if o.finished])
+    loop.start()
+    try:
+        loop.add(engine.make_sequence("held", prompt, SamplingParams(temperature=0.0, max_tokens=24,
+                                                                     constraint=Constraint("regex", "[a-z]{40}"))))
+        held = ended.get(timeout=120)
+        assert held.request_id == "held" and held.finish_reason is FinishReason.ERROR
+        assert "injected mask fault" in held.error
+        loop.add(engine.make_sequence("after", prompt, greedy(8)))
+        after = ended.get(timeout=120)
+        assert after.request_id == "after" and after.finish_reason is FinishReason.LENGTH
+        assert after.usage.completion_tokens == 8
+    finally:
+        loop.stop()
+    assert len(calls) >= 2 and engine.stats().live_requests == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

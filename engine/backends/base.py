@@ -9,12 +9,14 @@ import numpy as np
 
 from engine.sampler import SampleOutput
 from engine.scheduler import ScheduledSeq
+from engine.structured import FillingMasks
 
 Wait = Callable[[], list[SampleOutput | None]]  # a launched step's samples, one per scheduled sequence
 # A step whose forward pass is queued: queue its sampling, given its token masks
 # (engine/structured: int32 bitmask rows, one per sampling sequence with a guide, in
-# order, or None).
-SampleLater = Callable[[np.ndarray | None], Wait]
+# order, or None), filled already or still being filled (FillingMasks: a GPU queues the
+# sampling at once, to run when they are done; a CPU waits for them).
+SampleLater = Callable[[np.ndarray | FillingMasks | None], Wait]
 # A step is launched while the one before it still runs, and ended (its tokens read
 # back) before a third is launched: a backend keeps this many steps' buffers.
 MAX_STEPS_IN_FLIGHT = 2

@@ -16,6 +16,7 @@ from engine.quantization.fp8 import e4m3_to_f32, f32_to_e4m3
 from engine.sampler import SampleOutput, sample
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.structured import FillingMasks
 from engine.weights import ModelWeights
 
 
@@ -224,7 +225,9 @@ class NumpyBackend:
     def launch_forward(self, batch: list[ScheduledSeq]) -> SampleLater:
         logits = self.forward(batch)
 
-        def sample(masks: np.ndarray | None) -> Wait:
+        def sample(masks: np.ndarray | FillingMasks | None) -> Wait:
+            if isinstance(masks, FillingMasks):
+                masks = masks.result()
             rows, guided = iter(logits), iter(masks if masks is not None else ())
             samples = []
             for s in batch:

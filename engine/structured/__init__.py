@@ -9,8 +9,8 @@ and each backend applies them to the logits before sampling.
 """
 
 from engine.structured.constraint import CONSTRAINT_KINDS, Constraint
-from engine.structured.guide import (DEFAULT_MAX_GRAMMAR_BYTES, Guide, GuideCompiler, accept_tokens, fill_masks,
-                                     start_filling_masks)
+from engine.structured.guide import (DEFAULT_MAX_GRAMMAR_BYTES, FillingMasks, Guide, GuideCompiler, accept_tokens,
+                                     fill_masks, start_filling_masks)
 
-__all__ = ["CONSTRAINT_KINDS", "DEFAULT_MAX_GRAMMAR_BYTES", "Constraint", "Guide", "GuideCompiler", "accept_tokens", "fill_masks",
+__all__ = ["CONSTRAINT_KINDS", "DEFAULT_MAX_GRAMMAR_BYTES", "Constraint", "FillingMasks", "Guide", "GuideCompiler", "accept_tokens", "fill_masks",
            "start_filling_masks"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
@@ -101,20 +102,30 @@ def fill_masks(guides: list[Guide], vocab_size: int, out: np.ndarray | None = No
     return masks
 
 
+@dataclass(frozen=True)
+class FillingMasks:
+    """A step's masks, being filled on a thread of their own: `rows` (the memory they
+    land in, known at once) holds them once `done` has completed (its result: `rows`)."""
+
+    rows: np.ndarray
+    done: Future[np.ndarray]
+
+    def result(self) -> np.ndarray:
+        """The rows, once filled (raises what filling them raised)."""
+        return self.done.result()
+
+
 def start_filling_masks(guides: list[Guide], vocab_size: int, out: np.ndarray | None,
-                        accepted: list[tuple[Guide, int]]) -> Future[np.ndarray]:
-    """accept_tokens(accepted), then fill_masks, on a thread of their own; returned once
-    that thread has started: while llguidance computes it lets go of the GIL, and the
-    caller's thread goes on. No guide may be touched before the result is taken."""
-    started = threading.Event()
+                        accepted: list[tuple[Guide, int]]) -> FillingMasks:
+    """accept_tokens(accepted), then fill_masks, on a thread of their own, which lets go
+    of the GIL while llguidance computes: the caller's thread goes on. No guide may be
+    touched before the masks are done."""
+    rows = _rows(out, len(guides), vocab_size)
 
     def fill() -> np.ndarray:
-        started.set()
         accept_tokens(accepted)
-        return fill_masks(guides, vocab_size, out)
-    future = _mask_thread().submit(fill)
-    started.wait()  # (a new thread waits for the GIL: without this it would start when the caller next blocks)
-    return future
+        return fill_masks(guides, vocab_size, rows)
+    return FillingMasks(rows, _mask_thread().submit(fill))
 
 
 def _rows(out: np.ndarray | None, n: int, vocab_size: int) -> np.ndarray:

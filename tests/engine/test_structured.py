@@ -19,7 +19,7 @@ from engine.model_loader import load_model
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.sequence import FinishReason
 from engine.structured import Constraint
-from tests.conftest import run, tokens
+from tests.conftest import check_a_mask_fault_fails_its_step_only, run, tokens
 
 GREEDY = dict(temperature=0.0)
 SAMPLED = [dict(temperature=0.8, top_p=0.95, seed=seed) for seed in (1, 2)]
@@ -222,3 +222,7 @@ def test_length_and_stop_strings_end_a_constrained_output_as_any_other(engine):
 def test_a_bad_constraint_is_refused_with_what_is_wrong(engine, constraint, says):
     with pytest.raises(InvalidRequest, match=re.escape(says)):
         engine.make_sequence("bad", [1, 2, 3], SamplingParams(constraint=constraint))
+
+
+def test_a_mask_fault_fails_its_step_only(engine, monkeypatch):
+    check_a_mask_fault_fails_its_step_only(engine, engine.tokenizer.encode("Spell a long word:"), monkeypatch)

@@ -29,7 +29,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
-from tests.conftest import run, tokens
+from tests.conftest import check_a_mask_fault_fails_its_step_only, run, tokens
 from tests.gpu.conftest import log_probs, rel_l2, require_gpu
 
 require_gpu()
@@ -413,6 +413,12 @@ def test_structured_output_beside_free_requests_on_cuda(invariant_engine):
         text = engine.tokenizer.decode(tokens(outs[name]), skip_special_tokens=True)
         assert outs[name][-1].finish_reason.value == "stop" and holds(text), (name, text)
     assert engine.backend.graphs.decode_replays > replays
+
+
+def test_a_mask_fault_fails_its_step_only_on_cuda(invariant_engine, monkeypatch):
+    """The stream waits for masks still being filled (driver.HostGate): it is let go
+    when filling them fails too, so the requests after that step still run."""
+    check_a_mask_fault_fails_its_step_only(invariant_engine, list(range(100, 140)), monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -146,6 +146,7 @@ class CudaBackend:
             # A step samples at most one token per sequence, and each holds a block. The
             # device buffer stays put (graphs read it).
             self.sampled = gpuarray.empty(num_blocks, np.int32)
+            self.sampler.allocate_masks(max_batch)
             self._step_slots = [StepSlot(cuda.pagelocked_empty(num_blocks, np.int32), cuda.Event())
                                 for _ in range(MAX_STEPS_IN_FLIGHT)]
             arrivals = gpuarray.zeros((SMALL_DECODE, c.num_kv_heads), np.int32)  # a row per token of a small decode step

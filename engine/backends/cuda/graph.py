@@ -13,11 +13,13 @@ import ctypes
 import gc
 from typing import Callable, Iterable
 
+from engine.backends.cuda import driver
+from engine.backends.cuda.driver import check
+
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
 CU_GRAPH_NODE_TYPE_KERNEL = 0
 CU_GRAPH_DEPENDENCY_TYPE_DEFAULT, CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC = 0, 1
 CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC = 1  # fires once every block of the source has triggered or exited
-_lib: ctypes.CDLL | None = None
 
 
 class _EdgeData(ctypes.Structure):  # CUgraphEdgeData
@@ -31,59 +33,47 @@ class _KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
                 ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
-def _driver() -> ctypes.CDLL:
-    global _lib
-    if _lib is None:
-        _lib = ctypes.PyDLL("libcuda.so.1")  # keeps the GIL: these calls only queue work (see cublas.py)
-    return _lib
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        raise RuntimeError(f"{what} failed with CUresult {result}")
-
-
 class CudaGraph:
     def __init__(self, stream_handle: int, record: Callable[[], None], awaiting_kernels: Iterable[str] = ()):
         """Capture what `record` queues on the stream (it must not allocate or synchronize).
         `awaiting_kernels` names the kernels whose incoming edges may be programmatic."""
-        lib, self.stream = _driver(), ctypes.c_void_p(stream_handle)
+        lib, self.stream = driver.libcuda(), ctypes.c_void_p(stream_handle)
         # No garbage collection while capturing: freeing a collected PyCUDA object (another
         # backend's module or memory) is not permitted then, and would end the capture.
         collecting = gc.isenabled()
         gc.disable()
-        _check(lib.cuStreamBeginCapture_v2(self.stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
+        check(lib.cuStreamBeginCapture_v2(self.stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
         graph = ctypes.c_void_p()
         try:
             record()
         finally:
-            _check(lib.cuStreamEndCapture(self.stream, ctypes.byref(graph)), "cuStreamEndCapture")
+            check(lib.cuStreamEndCapture(self.stream, ctypes.byref(graph)), "cuStreamEndCapture")
             if collecting:
                 gc.enable()
         self.exec = ctypes.c_void_p()
         try:
             self.programmatic_edges = _make_programmatic(graph, frozenset(awaiting_kernels))
-            _check(lib.cuGraphInstantiateWithFlags(ctypes.byref(self.exec), graph, ctypes.c_ulonglong(0)), "cuGraphInstantiate")
+            check(lib.cuGraphInstantiateWithFlags(ctypes.byref(self.exec), graph, ctypes.c_ulonglong(0)), "cuGraphInstantiate")
         finally:
             lib.cuGraphDestroy(graph)
 
     def launch(self) -> None:
-        _check(_driver().cuGraphLaunch(self.exec, self.stream), "cuGraphLaunch")
+        check(driver.libcuda().cuGraphLaunch(self.exec, self.stream), "cuGraphLaunch")
 
     def close(self) -> None:
         if self.exec:
-            _driver().cuGraphExecDestroy(self.exec)
+            driver.libcuda().cuGraphExecDestroy(self.exec)
             self.exec = ctypes.c_void_p()
 
 
 def _kernel_name(node: ctypes.c_void_p) -> str | None:
     """The function a kernel node launches, or None for other nodes."""
-    lib, kind = _driver(), ctypes.c_int()
-    _check(lib.cuGraphNodeGetType(node, ctypes.byref(kind)), "cuGraphNodeGetType")
+    lib, kind = driver.libcuda(), ctypes.c_int()
+    check(lib.cuGraphNodeGetType(node, ctypes.byref(kind)), "cuGraphNodeGetType")
     if kind.value != CU_GRAPH_NODE_TYPE_KERNEL:
         return None
     params, name = _KernelNodeParams(), ctypes.c_char_p()
-    _check(lib.cuGraphKernelNodeGetParams_v2(node, ctypes.byref(params)), "cuGraphKernelNodeGetParams")
+    check(lib.cuGraphKernelNodeGetParams_v2(node, ctypes.byref(params)), "cuGraphKernelNodeGetParams")
     if not params.func or lib.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(params.func)) != 0:
         return None
     return name.value.decode()
@@ -92,14 +82,14 @@ def _kernel_name(node: ctypes.c_void_p) -> str | None:
 def _make_programmatic(graph: ctypes.c_void_p, awaiting: frozenset[str]) -> int:
     """Turn every kernel-to-kernel edge whose target is in `awaiting` programmatic;
     return how many. A driver older than CUDA 12.3 has no edge data: none are."""
-    lib = _driver()
+    lib = driver.libcuda()
     if not awaiting or not hasattr(lib, "cuGraphGetEdges_v2") or not hasattr(lib, "cuFuncGetName"):
         return 0
     count = ctypes.c_size_t()
-    _check(lib.cuGraphGetEdges_v2(graph, None, None, None, ctypes.byref(count)), "cuGraphGetEdges")
+    check(lib.cuGraphGetEdges_v2(graph, None, None, None, ctypes.byref(count)), "cuGraphGetEdges")
     n = count.value
     sources, targets, data = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (_EdgeData * n)()
-    _check(lib.cuGraphGetEdges_v2(graph, sources, targets, data, ctypes.byref(count)), "cuGraphGetEdges")
+    check(lib.cuGraphGetEdges_v2(graph, sources, targets, data, ctypes.byref(count)), "cuGraphGetEdges")
     names = {node: _kernel_name(ctypes.c_void_p(node)) for node in set(sources) | set(targets)}  # (each node once)
     changed = 0
     for source, target, edge in zip(sources, targets, data):
@@ -107,9 +97,9 @@ def _make_programmatic(graph: ctypes.c_void_p, awaiting: frozenset[str]) -> int:
             continue
         source, target = ctypes.c_void_p(source), ctypes.c_void_p(target)
         programmatic = _EdgeData(from_port=CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC, type=CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
-        _check(lib.cuGraphRemoveDependencies_v2(graph, ctypes.byref(source), ctypes.byref(target), ctypes.byref(edge),
+        check(lib.cuGraphRemoveDependencies_v2(graph, ctypes.byref(source), ctypes.byref(target), ctypes.byref(edge),
                                                 ctypes.c_size_t(1)), "cuGraphRemoveDependencies")
-        _check(lib.cuGraphAddDependencies_v2(graph, ctypes.byref(source), ctypes.byref(target), ctypes.byref(programmatic),
+        check(lib.cuGraphAddDependencies_v2(graph, ctypes.byref(source), ctypes.byref(target), ctypes.byref(programmatic),
                                              ctypes.c_size_t(1)), "cuGraphAddDependencies")
         changed += 1
     return changed
