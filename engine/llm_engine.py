@@ -263,7 +263,7 @@ class LLMEngine:
         """Wait for the oldest batch in flight, record its tokens and take the sequences
         that hit a stop token, their grammar's end or their length out of the schedule.
         If the next batch's sampling waits for these tokens, its masks start filling and
-        its sampling is queued first. Deltas wait for emit()."""
+        its sampling is queued. Deltas wait for emit()."""
         step = self._in_flight[0]
         if step.wait is None:
             step.queue_sampling()
@@ -273,10 +273,10 @@ class LLMEngine:
                  if sample is not None and not scheduled.seq.is_finished]  # (one that ended while this batch ran: dropped)
         accepted = [(seq.guide, sample.token_id) for seq, sample in taken if seq.guide is not None]
         waiting = self._in_flight[0] if self._in_flight else None
-        if waiting is not None and waiting.wait is None:
+        masks_wait = waiting is not None and waiting.wait is None
+        if masks_wait:
             waiting.masks = start_filling_masks(self._guides(waiting.batch), self.model.config.vocab_size,
                                                 self._mask_buffer(), accepted)
-            waiting.queue_sampling()
         else:
             accept_tokens(accepted)
         for seq, sample in taken:
@@ -284,6 +284,8 @@ class LLMEngine:
             if stream.record(sample):
                 self.scheduler.finish(seq)
             self._unsent.append(stream)
+        if masks_wait:  # (after the tokens are recorded: a CPU waits here for the masks, which may raise)
+            waiting.queue_sampling()
 
     def emit(self) -> list[RequestOutput]:
         """The deltas of the tokens recorded since the last call."""

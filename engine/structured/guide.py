@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.numpy
