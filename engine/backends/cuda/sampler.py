@@ -59,7 +59,8 @@ class GpuSampler:
         self._masks_in, self._masks_read = cuda.Event(), cuda.Event()
 
     def allocate_masks(self, rows: int) -> None:
-        """Room on the device for the masks of up to `rows` sequences."""
+        """Room on the device for the masks of up to `rows` sequences (outside the memory
+        pool, whose reuse is ordered on the main stream only: the copies' stream writes it)."""
         self._masks = gpuarray.empty((rows, -(-self.vocab_size // 32)), np.int32)
 
     def sample(self, logits: gpuarray.GPUArray, seqs: list[Sequence], sampled: gpuarray.GPUArray,
@@ -86,7 +87,7 @@ class GpuSampler:
             filling.result()  # (their bans read what filling the masks found: Sequence.banned_token_ids)
         generated = np.array([q.num_generated for q in seqs], np.int32)
         # one upload: the kernel's seven per-request arrays, row by row, then the guided rows
-        fields = self._upload(np.concatenate((requests.fields.ravel(), generated, np.array(guided, np.int32))))
+        fields = self._upload_fields(np.concatenate((requests.fields.ravel(), generated, np.array(guided, np.int32))))
         if guided:  # only those rows have masks: unguided rows cost nothing
             rows = filling.rows if filling is not None else masks
             self._copies.wait_for_event(self._masks_read)
@@ -124,7 +125,7 @@ class GpuSampler:
         """A small host array to the device, queued on the stream, from the memory pool."""
         return gpuarray.to_gpu_async(np.asarray(values, dtype=dtype), allocator=self.allocate, stream=self.stream)
 
-    def _upload(self, values: np.ndarray) -> gpuarray.GPUArray:
+    def _upload_fields(self, values: np.ndarray) -> gpuarray.GPUArray:
         """int32 values into the kept device array, queued on the stream."""
         if self._fields.size < values.size:
             self._fields = gpuarray.empty(max(values.size, 2 * self._fields.size), np.int32, allocator=self.allocate)
