@@ -12,7 +12,8 @@
 
 // Causal grouped-query attention over the paged KV cache, for decode and for
 // (chunked) prefill alike: query token t of sequence s at position p attends to
-// positions 0..p of s, whose K/V sit in cache slots block_table[s][j / bs] * bs + j % bs.
+// positions 0..p of s, whose K/V sit in cache slots block_table[s][j / bs] * bs + j % bs
+// (bs = 2^block_shift: kv_cache.cuh).
 //
 //   out[t, h, :] = sum_j softmax_j(q[t, h] . k[j, h / GROUP] * scale) v[j, h / GROUP]
 //
@@ -94,9 +95,9 @@ struct ChunkFragments {  // one lane's share of a chunk's K and V rows
 // Positions past `end` read as zeros (no NaN from cache slots never written).
 template <int words>
 __device__ __forceinline__ void load_row(uint32_t* dst, const kv_t* __restrict__ cache, const int* blocks_s,
-                                         int first_block, int block_size, int kv_heads, int kvh, int pos, int dim, int end) {
+                                         int first_block, int block_shift, int kv_heads, int kvh, int pos, int dim, int end) {
     if (pos < end) {
-        const size_t slot = (size_t)blocks_s[pos / block_size - first_block] * block_size + pos % block_size;
+        const size_t slot = ((size_t)blocks_s[(pos >> block_shift) - first_block] << block_shift) + in_block(pos, block_shift);
         load_kv_words<words>(dst, cache + (slot * kv_heads + kvh) * HEAD_DIM + dim);
     } else {
 #pragma unroll
@@ -106,14 +107,14 @@ __device__ __forceinline__ void load_row(uint32_t* dst, const kv_t* __restrict__
 
 __device__ __forceinline__ void load_chunk(ChunkFragments& f, const kv_t* __restrict__ k_cache,
                                            const kv_t* __restrict__ v_cache, const int* blocks_s, int first_block,
-                                           int block_size, int kv_heads, int kvh, int chunk, int end, int g, int q) {
+                                           int block_shift, int kv_heads, int kvh, int chunk, int end, int g, int q) {
 #pragma unroll
     for (int i = 0; i < 2; i++)
-        load_row<K_WORDS>(f.k[i], k_cache, blocks_s, first_block, block_size, kv_heads, kvh, chunk + 8 * i + g,
+        load_row<K_WORDS>(f.k[i], k_cache, blocks_s, first_block, block_shift, kv_heads, kvh, chunk + 8 * i + g,
                           q * QUARTER, end);
 #pragma unroll
     for (int r = 0; r < 4; r++)
-        load_row<V_WORDS>(f.v[r], v_cache, blocks_s, first_block, block_size, kv_heads, kvh,
+        load_row<V_WORDS>(f.v[r], v_cache, blocks_s, first_block, block_shift, kv_heads, kvh,
                           chunk + 2 * q + (r & 1) + 8 * (r >> 1), g * DIM_SLICE, end);
 }
 
@@ -198,7 +199,7 @@ __device__ __forceinline__ void decode_attention(
     const kv_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks,  // [seqs, max_blocks]
     const int* __restrict__ token_seq, const int* __restrict__ positions,
-    int heads, int kv_heads, int block_size, int partition, float scale) {
+    int heads, int kv_heads, int block_shift, int partition, float scale) {
     __shared__ int blocks_s[MAX_PART_BLOCKS];
     __shared__ float m_s[WARPS][GROUP], l_s[WARPS][GROUP];
     __shared__ float acc_s[WARPS][GROUP][HEAD_DIM];
@@ -212,21 +213,21 @@ __device__ __forceinline__ void decode_attention(
     // table, and a warp's first chunk when it ends before the token's position, are read early.
     const int position = positions[t];
     const int begin = part * partition, end = min(position + 1, begin + partition);
-    const int first_block = begin / block_size, first_chunk = begin + warp * CHUNK;
+    const int first_block = begin >> block_shift, first_chunk = begin + warp * CHUNK;
     if (begin < end) {
         const int* table = block_tables + (size_t)token_seq[t] * max_blocks;
-        for (int i = threadIdx.x; i <= (end - 1) / block_size - first_block; i += blockDim.x)
+        for (int i = threadIdx.x; i <= ((end - 1) >> block_shift) - first_block; i += blockDim.x)
             blocks_s[i] = table[first_block + i];
     }
     __syncthreads();  // blocks_s is written
     ChunkFragments cur, next;
     const bool first_chunk_early = first_chunk + CHUNK <= position;
     if (first_chunk_early)
-        load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_size, kv_heads, kvh, first_chunk, end, g, q);
+        load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_shift, kv_heads, kvh, first_chunk, end, g, q);
     await_previous_kernel();
     if (begin >= end) return;  // a partition past the context: the merge does not read it
     if (PREFETCH && !first_chunk_early && first_chunk < end)
-        load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_size, kv_heads, kvh, first_chunk, end, g, q);
+        load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_shift, kv_heads, kvh, first_chunk, end, g, q);
 
     // Q as A fragments: row g (head kvh * GROUP + g; zero past GROUP), this quad's quarter.
     uint32_t q_frag[K_WORDS];
@@ -248,10 +249,10 @@ __device__ __forceinline__ void decode_attention(
     for (int chunk = first_chunk; chunk < end; chunk += WARPS * CHUNK) {
         if (PREFETCH) {
             if (chunk + WARPS * CHUNK < end)
-                load_chunk(next, k_cache, v_cache, blocks_s, first_block, block_size, kv_heads, kvh,
+                load_chunk(next, k_cache, v_cache, blocks_s, first_block, block_shift, kv_heads, kvh,
                            chunk + WARPS * CHUNK, end, g, q);
         } else if (chunk != first_chunk || !first_chunk_early) {
-            load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_size, kv_heads, kvh, chunk, end, g, q);
+            load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_shift, kv_heads, kvh, chunk, end, g, q);
         }
         // S = Q K^T: s[i] holds row g at positions chunk + 8 i + 2q, + 1 (and row g + 8's, unused)
         float s[2][4];
@@ -365,20 +366,20 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     bf16* __restrict__ out, int* __restrict__ arrivals, float* __restrict__ part_acc, float* __restrict__ part_max,
     float* __restrict__ part_sum, const bf16* __restrict__ qkv, const kv_t* __restrict__ k_cache,
     const kv_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
-    const int* __restrict__ token_seq, const int* __restrict__ positions, int heads, int kv_heads, int block_size,
+    const int* __restrict__ token_seq, const int* __restrict__ positions, int heads, int kv_heads, int block_shift,
     int partition, float scale) {
     decode_attention<false>(out, arrivals, part_acc, part_max, part_sum, qkv, k_cache, v_cache, block_tables, max_blocks,
-                            token_seq, positions, heads, kv_heads, block_size, partition, scale);
+                            token_seq, positions, heads, kv_heads, block_shift, partition, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial_prefetch(
     bf16* __restrict__ out, int* __restrict__ arrivals, float* __restrict__ part_acc, float* __restrict__ part_max,
     float* __restrict__ part_sum, const bf16* __restrict__ qkv, const kv_t* __restrict__ k_cache,
     const kv_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
-    const int* __restrict__ token_seq, const int* __restrict__ positions, int heads, int kv_heads, int block_size,
+    const int* __restrict__ token_seq, const int* __restrict__ positions, int heads, int kv_heads, int block_shift,
     int partition, float scale) {
     decode_attention<true>(out, arrivals, part_acc, part_max, part_sum, qkv, k_cache, v_cache, block_tables, max_blocks,
-                           token_seq, positions, heads, kv_heads, block_size, partition, scale);
+                           token_seq, positions, heads, kv_heads, block_shift, partition, scale);
 }
 
 // Pass 1 for prompt tokens (prefill): the same partial results as
@@ -446,7 +447,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
     const bf16* __restrict__ qkv, const kv_t* __restrict__ k_cache, const kv_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ token_seq,
     const int* __restrict__ positions, const int* __restrict__ tiles,
-    int heads, int kv_heads, int block_size, int partition, float scale) {
+    int heads, int kv_heads, int block_shift, int partition, float scale) {
     await_previous_kernel();
 #ifdef KV_CACHE_FP8  // the codes are copied in two buffers, each tile widened into one of bfloat16
     __shared__ __align__(16) kv_t k_codes[2][KV_TILE][HEAD_DIM];
@@ -501,7 +502,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
         for (int e = threadIdx.x; e < KV_TILE * HEAD_DIM / KV_PIECE; e += PREFILL_THREADS) {
             const int j = e / (HEAD_DIM / KV_PIECE), d = e % (HEAD_DIM / KV_PIECE) * KV_PIECE, p = tile + j;
             size_t idx = 0;
-            if (p < end) idx = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * HEAD_DIM + d;
+            if (p < end) idx = ((size_t)((table[p >> block_shift] << block_shift) + in_block(p, block_shift)) * kv_heads + kvh) * HEAD_DIM + d;
             copy16_async(&k_codes[buf][j][d], k_cache + idx, p < end);
             copy16_async(&v_codes[buf][j][d], v_cache + idx, p < end);
         }

@@ -5,6 +5,12 @@
 #pragma once
 #include "common.cuh"
 
+// A block holds 2^block_shift positions: position p of a sequence is in slot
+// (block_table[p >> block_shift] << block_shift) + in_block(p, block_shift). (A shift and
+// a mask where a division by a block size known only at run time cost decode attention
+// about a tenth of its time.)
+__device__ __forceinline__ int in_block(int pos, int block_shift) { return pos - (pos >> block_shift << block_shift); }
+
 #ifdef KV_CACHE_FP8
 typedef uint8_t kv_t;
 

@@ -204,7 +204,7 @@ def merge_partial_results(kernels, out, attention: PagedAttention, positions: np
 @pytest.mark.parametrize("kernel", ["decode merging itself", "decode loading ahead", "decode", "prefill",
                                     "prefill, whole contexts"])
 @pytest.mark.parametrize("heads, kv_heads, D", [(32, 8, 64), (9, 3, 64), (24, 8, 128)])  # Llama 3.2 1B, SmolLM2, 3B
-@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("partition", [PARTITION, SHORT_PARTITION])
 @pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16 cache", "fp8 cache"])
 def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, partition, kv_fp8):

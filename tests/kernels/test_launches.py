@@ -237,3 +237,11 @@ def test_fp8_of_a_block_size_the_kernels_do_not_read_runs_as_bfloat16(model):
     fp8, bf16 = engine_steps(quantized, request, cuda_graphs=False), engine_steps(model, request, cuda_graphs=False)
     assert [[(launch.kernel, launch.grid) for launch in step] for step in fp8] == \
         [[(launch.kernel, launch.grid) for launch in step] for step in bf16]
+
+
+@pytest.mark.parametrize("block_size", [12, 3])
+def test_a_kv_block_size_that_is_no_power_of_two_is_refused_with_the_nearest_ones(model, block_size):
+    """The attention kernels find a position's slot by a shift and a mask."""
+    nearest = {12: "use --block-size 8 or 16", 3: "use --block-size 2 or 4"}[block_size]
+    with pytest.raises(ValueError, match=f"power of two of tokens, not {block_size}: {nearest}"):
+        engine_steps(model, [], config=EngineConfig(num_kv_blocks=128, block_size=block_size))

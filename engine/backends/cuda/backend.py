@@ -22,7 +22,7 @@ from engine.backends.cuda.cublas import Cublas, CublasError
 from engine.backends.cuda.cublaslt import CublasLt
 from engine.backends.cuda.step_graphs import PROMPT_BUCKETS, StepGraphs
 from engine.backends.cuda.forward import ForwardPass
-from engine.backends.cuda.kernels import MAX_PART_BLOCKS, Kernels, prefill_query_rows
+from engine.backends.cuda.kernels import MAX_PART_BLOCKS, Kernels, block_shift, prefill_query_rows
 from engine.backends.cuda.linear import Linear
 from engine.backends.cuda.sampler import GpuSampler
 from engine.backends.cuda.step_metadata import PARTITION, SMALL_DECODE, StepShape, build_metadata, step_shape
@@ -137,6 +137,7 @@ class CudaBackend:
         """The cache, and the CUDA graphs for decode steps of up to `max_batch` sequences
         (of fewer in contexts past graph_max_context, up to `max_context`) and for short
         prompt chunks."""
+        block_shift(block_size)  # (a ValueError unless a power of two)
         if PARTITION // block_size + 2 > MAX_PART_BLOCKS:
             raise ValueError(f"block size {block_size} is too small for the attention kernel: use at least "
                              f"{-(-PARTITION // (MAX_PART_BLOCKS - 2))}")

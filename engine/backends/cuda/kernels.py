@@ -160,6 +160,15 @@ def gemv_weight(w: Any) -> tuple[str, tuple]:
     raise ValueError(f"no GEMV for {fmt} weights")
 
 
+def block_shift(block_size: int) -> int:
+    """log2 of a KV-cache block size, which the attention kernels need to be a power of two."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"the CUDA backend's KV-cache blocks hold a power of two of tokens, not {block_size}: "
+                         f"use --block-size {1 << max(0, block_size.bit_length() - 1)} or "
+                         f"{1 << block_size.bit_length()}")
+    return block_size.bit_length() - 1
+
+
 @dataclass(frozen=True)
 class PagedAttention:
     """What the attention kernels of one step read and write besides a layer's cache
@@ -176,7 +185,7 @@ class PagedAttention:
     positions: Any  # int32 [tokens]
     heads: int
     kv_heads: int
-    block_size: int
+    block_size: int  # a power of two (the kernels take its log2)
     partition: int  # context positions per partition
     partitions: int
     scale: float
@@ -208,8 +217,8 @@ class PagedAttention:
         return self._sizes(WHOLE_CONTEXT)
 
     def _sizes(self, partition: int) -> tuple:
-        return (np.int32(self.heads), np.int32(self.kv_heads), np.int32(self.block_size), np.int32(partition),
-                np.float32(self.scale))
+        return (np.int32(self.heads), np.int32(self.kv_heads), np.int32(block_shift(self.block_size)),
+                np.int32(partition), np.float32(self.scale))
 
 
 class Kernels:
