@@ -12,7 +12,7 @@
 
 // Causal grouped-query attention over the paged KV cache, for decode and for
 // (chunked) prefill alike: query token t of sequence s at position p attends to
-// positions 0..p of s, whose K/V sit in cache slots block_table[s][j / bs] * bs + j % bs
+// positions 0..p of s, whose K/V sit at offset j % bs of cache block block_table[s][j / bs]
 // (bs = 2^block_shift: kv_cache.cuh).
 //
 //   out[t, h, :] = sum_j softmax_j(q[t, h] . k[j, h / GROUP] * scale) v[j, h / GROUP]
@@ -97,8 +97,9 @@ template <int words>
 __device__ __forceinline__ void load_row(uint32_t* dst, const kv_t* __restrict__ cache, const int* blocks_s,
                                          int first_block, int block_shift, int kv_heads, int kvh, int pos, int dim, int end) {
     if (pos < end) {
-        const size_t slot = ((size_t)blocks_s[(pos >> block_shift) - first_block] << block_shift) + in_block(pos, block_shift);
-        load_kv_words<words>(dst, cache + (slot * kv_heads + kvh) * HEAD_DIM + dim);
+        const size_t row = kv_row(blocks_s[(pos >> block_shift) - first_block], in_block(pos, block_shift), kvh, kv_heads,
+                                  block_shift);
+        load_kv_words<words>(dst, cache + row * HEAD_DIM + dim);
     } else {
 #pragma unroll
         for (int i = 0; i < words; i++) dst[i] = 0u;
@@ -195,7 +196,7 @@ __device__ __forceinline__ void decode_attention(
     float* __restrict__ part_max,     // [tokens, heads, partitions]
     float* __restrict__ part_sum,     // [tokens, heads, partitions]
     const bf16* __restrict__ qkv,     // [tokens, (heads + 2 kv_heads) * HEAD_DIM], q rotated
-    const kv_t* __restrict__ k_cache, // [slots, kv_heads, HEAD_DIM] (kv_cache.cuh)
+    const kv_t* __restrict__ k_cache, // [blocks, kv_heads, block size, HEAD_DIM] (kv_cache.cuh)
     const kv_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks,  // [seqs, max_blocks]
     const int* __restrict__ token_seq, const int* __restrict__ positions,
@@ -502,7 +503,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
         for (int e = threadIdx.x; e < KV_TILE * HEAD_DIM / KV_PIECE; e += PREFILL_THREADS) {
             const int j = e / (HEAD_DIM / KV_PIECE), d = e % (HEAD_DIM / KV_PIECE) * KV_PIECE, p = tile + j;
             size_t idx = 0;
-            if (p < end) idx = ((size_t)((table[p >> block_shift] << block_shift) + in_block(p, block_shift)) * kv_heads + kvh) * HEAD_DIM + d;
+            if (p < end) idx = kv_row(table[p >> block_shift], in_block(p, block_shift), kvh, kv_heads, block_shift) * HEAD_DIM + d;
             copy16_async(&k_codes[buf][j][d], k_cache + idx, p < end);
             copy16_async(&v_codes[buf][j][d], v_cache + idx, p < end);
         }

@@ -70,23 +70,26 @@ enum GemvOutput { Y_STORE, Y_ROPE_AND_CACHE, Y_SILU_AND_MUL, Y_ADD_TO_RESIDUAL }
 
 // Where gemv_rmsnorm_rope's outputs go, and the rotation's inputs (as rope_and_cache's).
 struct RopeCache {
-    kv_t* k_cache;  // [slots, kv_heads, head_dim]
+    kv_t* k_cache;  // [blocks, kv_heads, 2^block_shift, head_dim] (kv_cache.cuh)
     kv_t* v_cache;
     const int* positions;  // of the token: [1]
     const int* slots;
     const float2* cos_sin;  // [positions, head_dim / 2] (rope_cache.cu)
-    int heads, kv_heads, head_dim;
+    int heads, kv_heads, head_dim, block_shift;
 };
 
 // The token's inputs to the rotation and the cache write. Step metadata and the
 // cos/sin table are no earlier kernel's output, so the GEMV reads them before its wait.
 struct RopeRow {
     int position;
-    size_t cache_row;  // the token's slot in the cache, in elements
+    int slot;
 };
 
-__device__ __forceinline__ RopeRow rope_row(const RopeCache& c) {
-    return {c.positions[0], (size_t)c.slots[0] * c.kv_heads * c.head_dim};
+__device__ __forceinline__ RopeRow rope_row(const RopeCache& c) { return {c.positions[0], c.slots[0]}; }
+
+// Where KV head kvh of the token's k (or v) goes in the cache, in elements.
+__device__ __forceinline__ size_t cache_offset(const RopeCache& c, const RopeRow& row, int kvh) {
+    return kv_slot_row(row.slot, kvh, c.kv_heads, c.block_shift) * c.head_dim;
 }
 
 // Output o of gemv_rmsnorm_rope, a RoPE pair: the projection rows of dims i and
@@ -96,7 +99,7 @@ __device__ __forceinline__ void store_rope_pair(bf16* __restrict__ qkv, const Ro
     const int half = c.head_dim / 2, head = o / half, i = o % half;
     const float x1 = round_bf16(sums[0]), x2 = round_bf16(sums[1]);  // (qkv's bfloat16 values)
     if (head >= c.heads + c.kv_heads) {  // v, as it is
-        kv_t* v = c.v_cache + row.cache_row + (size_t)(head - c.heads - c.kv_heads) * c.head_dim;
+        kv_t* v = c.v_cache + cache_offset(c, row, head - c.heads - c.kv_heads);
         v[i] = to_kv(x1);
         v[i + half] = to_kv(x2);
         return;
@@ -107,7 +110,7 @@ __device__ __forceinline__ void store_rope_pair(bf16* __restrict__ qkv, const Ro
         q[i] = to_bf16(y.x);
         q[i + half] = to_bf16(y.y);
     } else {
-        kv_t* k = c.k_cache + row.cache_row + (size_t)(head - c.heads) * c.head_dim;
+        kv_t* k = c.k_cache + cache_offset(c, row, head - c.heads);
         k[i] = to_kv(y.x);
         k[i + half] = to_kv(y.y);
     }
@@ -348,27 +351,28 @@ extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope(bf16* __restrict__
                                                          const bf16* __restrict__ w, kv_t* __restrict__ k_cache,
                                                          kv_t* __restrict__ v_cache, const int* __restrict__ positions,
                                                          const int* __restrict__ slots, const float2* __restrict__ cos_sin,
-                                                         int heads, int kv_heads, int head_dim, int d_in, int d_out) {
+                                                         int heads, int kv_heads, int head_dim, int block_shift,
+                                                         int d_in, int d_out) {
     gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_BF16>(qkv, false, residual, norm_weight, eps, bf16_weight(w), d_in, d_out,
-                                                   {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim});
+                                                   {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift});
 }
 
 extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope_fp8(
     bf16* __restrict__ qkv, const float* __restrict__ residual, const bf16* __restrict__ norm_weight, float eps,
     const uint8_t* __restrict__ w, const float* __restrict__ w_scale, int scale_cols, kv_t* __restrict__ k_cache,
     kv_t* __restrict__ v_cache, const int* __restrict__ positions, const int* __restrict__ slots,
-    const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int d_in, int d_out) {
+    const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int block_shift, int d_in, int d_out) {
     gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_FP8>(qkv, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in,
-                                                  d_out, {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim});
+                                                  d_out, {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift});
 }
 
 extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope_int4(
     bf16* __restrict__ qkv, const float* __restrict__ residual, const bf16* __restrict__ norm_weight, float eps,
     const uint8_t* __restrict__ w, const float* __restrict__ w_scale, int scale_cols, kv_t* __restrict__ k_cache,
     kv_t* __restrict__ v_cache, const int* __restrict__ positions, const int* __restrict__ slots,
-    const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int d_in, int d_out) {
+    const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int block_shift, int d_in, int d_out) {
     gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_INT4>(qkv, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in,
-                                                   d_out, {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim});
+                                                   d_out, {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift});
 }
 
 // act = silu_and_mul(RMSNorm(residual) @ w^T), w = [gate | up] of 2 * d_out rows;

@@ -21,19 +21,20 @@ extern "C" __global__ void rope_cos_sin(float2* __restrict__ cos_sin, const floa
 //   q is rotated in place in qkv; rotated k and plain v go to cache slot slots[t] (as
 //   kv_cache.cuh's elements: bfloat16, or e4m3 codes of the bfloat16 values).
 // cos and sin come from rope_cos_sin's table; the rounding is rope.cuh's.
-// qkv: [tokens, (heads + 2 * kv_heads) * head_dim]; caches: [slots, kv_heads, head_dim]
+// qkv: [tokens, (heads + 2 * kv_heads) * head_dim]; caches: [blocks, kv_heads, 2^block_shift,
+// head_dim] (kv_cache.cuh)
 // grid: tokens; block: (heads + kv_heads) * head_dim / 2 threads at most 1024, looping
 // (cuda_kernels.rope_and_cache_threads)
 extern "C" __global__ void rope_and_cache(bf16* __restrict__ qkv, kv_t* __restrict__ k_cache,
                                           kv_t* __restrict__ v_cache, const int* __restrict__ positions,
                                           const int* __restrict__ slots, const float2* __restrict__ cos_sin,
-                                          int heads, int kv_heads, int head_dim) {
+                                          int heads, int kv_heads, int head_dim, int block_shift) {
     await_previous_kernel();
     const int t = blockIdx.x, half = head_dim / 2;
     const float2* angle_cs = cos_sin + (size_t)positions[t] * half;
     const size_t width = (size_t)(heads + 2 * kv_heads) * head_dim;
     bf16* row = qkv + t * width;
-    const size_t cache_row = (size_t)slots[t] * kv_heads * head_dim;
+    const int slot = slots[t];
     const int pairs = (heads + kv_heads) * half;
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
         const int head = p / half, i = p % half;  // heads first, then kv heads (the k part)
@@ -43,11 +44,12 @@ extern "C" __global__ void rope_and_cache(bf16* __restrict__ qkv, kv_t* __restri
             x[i] = to_bf16(y.x);
             x[i + half] = to_bf16(y.y);
         } else {
-            kv_t* k = k_cache + cache_row + (head - heads) * head_dim;
+            kv_t* k = k_cache + kv_slot_row(slot, head - heads, kv_heads, block_shift) * head_dim;
             k[i] = to_kv(y.x);
             k[i + half] = to_kv(y.y);
         }
     }
     const bf16* v = row + (size_t)(heads + kv_heads) * head_dim;
-    for (int j = threadIdx.x; j < kv_heads * head_dim; j += blockDim.x) v_cache[cache_row + j] = to_kv(to_f32(v[j]));
+    for (int j = threadIdx.x; j < kv_heads * head_dim; j += blockDim.x)
+        v_cache[kv_slot_row(slot, j / head_dim, kv_heads, block_shift) * head_dim + j % head_dim] = to_kv(to_f32(v[j]));
 }

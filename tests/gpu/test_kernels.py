@@ -67,14 +67,34 @@ def i32(values) -> gpuarray.GPUArray:
 E4M3_NAN = np.uint8(0x7F)
 
 
+BLOCK = 16  # KV-cache block size, where a test's is not a parameter
+
+
+def cache_shape(slots: int, kv_heads: int, D: int, block_size: int = BLOCK) -> tuple[int, ...]:
+    """KvCache's layout of a layer's K (or V): [blocks, kv_heads, block_size, D]."""
+    return slots // block_size, kv_heads, block_size, D
+
+
+def in_cache_layout(by_slot: np.ndarray, block_size: int) -> np.ndarray:
+    """A [slots, kv_heads, D] array in KvCache's layout."""
+    slots, kv_heads, D = by_slot.shape
+    return np.ascontiguousarray(by_slot.reshape(slots // block_size, block_size, kv_heads, D).swapaxes(1, 2))
+
+
+def by_slot(cache: np.ndarray) -> np.ndarray:
+    """A KvCache-layout array as [slots, kv_heads, D]."""
+    blocks, kv_heads, block_size, D = cache.shape
+    return cache.swapaxes(1, 2).reshape(blocks * block_size, kv_heads, D)
+
+
 def poisoned_cache(shape, kv_fp8: bool) -> gpuarray.GPUArray:
     """A KV cache of NaNs in its element: bfloat16, or e4m3 codes."""
     return gpuarray.to_gpu(np.full(shape, E4M3_NAN, np.uint8) if kv_fp8 else np.full(shape, BF16_NAN, np.uint16))
 
 
 def cache_values(cache: gpuarray.GPUArray) -> np.ndarray:
-    """A KV cache's values in float32, from bfloat16 or e4m3 codes."""
-    host = cache.get()
+    """A KV cache's values in float32, from bfloat16 or e4m3 codes, by slot."""
+    host = by_slot(cache.get())
     return e4m3_to_f32(host) if host.dtype == np.uint8 else bf16_bits_to_f32(host)
 
 
@@ -139,22 +159,22 @@ def test_rope_cos_sin_table(kernels):
 
 @pytest.mark.parametrize("heads, kv_heads", [(32, 8), (9, 3)])
 def test_rope_and_cache(cuda_context, heads, kv_heads):
-    D, tokens, slots_total = 64, 23, 200
+    D, tokens, slots_total = 64, 23, 208
     kernels = kernels_for(heads // kv_heads, D)
     inv_freq = llama3_inv_freq(D)
     qkv = RNG.standard_normal((tokens, (heads + 2 * kv_heads) * D)).astype(np.float32)
     positions = RNG.integers(0, 5000, tokens)
     slots = RNG.permutation(slots_total)[:tokens]
     qkv_gpu = up_bf16(qkv)
-    k_cache, v_cache = poisoned_bf16((slots_total, kv_heads, D)), poisoned_bf16((slots_total, kv_heads, D))
+    k_cache, v_cache = (poisoned_bf16(cache_shape(slots_total, kv_heads, D)) for _ in range(2))
     kernels.rope_and_cache(None, qkv_gpu, k_cache, v_cache, i32(positions), i32(slots), cos_sin_table(kernels, inv_freq, 5000),
-                           tokens, heads, kv_heads)
+                           tokens, heads, kv_heads, BLOCK)
     cos, sin = ref.rope_cos_sin(positions, inv_freq)
     q_in = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     k_in = bf16(qkv)[:, heads * D : (heads + kv_heads) * D].reshape(tokens, kv_heads, D)
     q_out = down_bf16(qkv_gpu)[:, : heads * D].reshape(tokens, heads, D)
     assert rel_l2(q_out, ref.apply_rope(q_in, cos, sin)) < TOL
-    k_got, v_got = down_bf16(k_cache), down_bf16(v_cache)
+    k_got, v_got = cache_values(k_cache), cache_values(v_cache)
     assert rel_l2(k_got[slots], ref.apply_rope(k_in, cos, sin)) < TOL
     assert np.array_equal(v_got[slots], bf16(qkv)[:, (heads + kv_heads) * D :].reshape(tokens, kv_heads, D))
     untouched = np.setdiff1d(np.arange(slots_total), slots)
@@ -167,7 +187,7 @@ def test_fp8_cache_holds_the_bfloat16_cache_rounded_as_the_numpy_backend_rounds(
     rounds the bfloat16 build's K and V to: V (stored as it is) is every e4m3 value,
     every midpoint between two (a tie goes to the smaller magnitude), both signs, and
     past 448 (saturating); K is rotated, over a wide range."""
-    D, slots_total = 64, 300
+    D, slots_total = 64, 304
     magnitudes = np.unique(np.abs(E4M3[np.isfinite(E4M3)]))
     special = np.concatenate([magnitudes, (magnitudes[:-1] + magnitudes[1:]) / 2, [460.0, 464.0, 500.0, 1e4]])
     special = np.concatenate([special, -special]).astype(np.float32)
@@ -179,10 +199,10 @@ def test_fp8_cache_holds_the_bfloat16_cache_rounded_as_the_numpy_backend_rounds(
     caches = {}
     for kv_fp8 in (False, True):
         kernels = kernels_for(heads // kv_heads, D, kv_fp8)
-        k_cache, v_cache = poisoned_cache((slots_total, kv_heads, D), kv_fp8), poisoned_cache((slots_total, kv_heads, D), kv_fp8)
+        k_cache, v_cache = (poisoned_cache(cache_shape(slots_total, kv_heads, D), kv_fp8) for _ in range(2))
         kernels.rope_and_cache(None, up_bf16(qkv), k_cache, v_cache, positions, i32(slots),
-                               cos_sin_table(kernels, llama3_inv_freq(D), 5000), tokens, heads, kv_heads)
-        caches[kv_fp8] = k_cache.get(), v_cache.get()
+                               cos_sin_table(kernels, llama3_inv_freq(D), 5000), tokens, heads, kv_heads, BLOCK)
+        caches[kv_fp8] = by_slot(k_cache.get()), by_slot(v_cache.get())
     for bf16_bits, codes in zip(caches[False], caches[True]):
         assert np.array_equal(codes[slots], f32_to_e4m3(bf16_bits_to_f32(bf16_bits[slots])))
         assert (np.delete(codes, slots, axis=0) == E4M3_NAN).all(), "wrote outside the slot mapping"
@@ -233,6 +253,7 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
     table_arr = np.zeros((len(seqs), max_blocks), np.int32)
     for i, t in enumerate(tables):
         table_arr[i, : len(t)] = t
+    k_cache, v_cache = in_cache_layout(k_cache, block_size), in_cache_layout(v_cache, block_size)
     if kv_fp8:
         kc, vc = gpuarray.to_gpu(f32_to_e4m3(k_cache)), gpuarray.to_gpu(f32_to_e4m3(v_cache))
     else:
@@ -403,14 +424,14 @@ def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(cuda_context, heads, 
     cos_sin = cos_sin_table(kernels, llama3_inv_freq(D), 5000)
 
     def caches() -> tuple[gpuarray.GPUArray, gpuarray.GPUArray]:
-        return poisoned_cache((slots_total, kv_heads, D), kv_fp8), poisoned_cache((slots_total, kv_heads, D), kv_fp8)
+        return tuple(poisoned_cache(cache_shape(slots_total, kv_heads, D), kv_fp8) for _ in range(2))
     expected_qkv = separate_gemv(kernels, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, width)
     expected_k, expected_v = caches()
-    kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads)
+    kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads, BLOCK)
     qkv = poisoned_bf16((1, width))
     k_cache, v_cache = caches()
     kernels.gemv_rmsnorm_rope(None, qkv, residual, norm_weight, 1e-5, w, k_cache, v_cache, positions, slots, cos_sin, heads,
-                              kv_heads, hidden, blocks)
+                              kv_heads, BLOCK, hidden, blocks)
     q = heads * D
     assert np.array_equal(qkv.get()[:, :q], expected_qkv.get()[:, :q])  # q, rotated in place
     assert np.array_equal(k_cache.get(), expected_k.get())  # k and v in their slot, and nothing else written

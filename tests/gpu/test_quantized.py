@@ -43,8 +43,9 @@ from engine.quantization.fp8 import Fp8Weight  # noqa: E402
 from engine.weights import bf16_bits_to_f32  # noqa: E402
 from tests.gpu.conftest import bf16, log_probs, rel_l2  # noqa: E402
 from engine.backends.cuda.kernels import skinny_splits  # noqa: E402
-from tests.gpu.test_kernels import (TOL, assert_skinny_gemm_is_exact_and_row_invariant, cos_sin_table, i32,  # noqa: E402
-                                    kernels_for, llama3_inv_freq, poisoned_bf16, separate_add, separate_rmsnorm, up_bf16)
+from tests.gpu.test_kernels import (BLOCK, TOL, assert_skinny_gemm_is_exact_and_row_invariant, cache_shape,  # noqa: E402
+                                    cos_sin_table, i32, kernels_for, llama3_inv_freq, poisoned_bf16, separate_add,
+                                    separate_rmsnorm, up_bf16)
 
 RNG = np.random.default_rng()
 
@@ -137,15 +138,15 @@ def test_gemv_rmsnorm_rope_quantized_equals_gemv_then_rope_and_cache(cuda_contex
     cos_sin = cos_sin_table(kernels, llama3_inv_freq(D), 5000)
 
     def caches() -> tuple[gpuarray.GPUArray, gpuarray.GPUArray]:
-        return poisoned_bf16((slots_total, kv_heads, D)), poisoned_bf16((slots_total, kv_heads, D))
+        return poisoned_bf16(cache_shape(slots_total, kv_heads, D)), poisoned_bf16(cache_shape(slots_total, kv_heads, D))
     expected_qkv = poisoned_bf16((1, width))
     kernels.gemv(None, expected_qkv, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, width)
     expected_k, expected_v = caches()
-    kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads)
+    kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads, BLOCK)
     qkv = poisoned_bf16((1, width))
     k_cache, v_cache = caches()
     kernels.gemv_rmsnorm_rope(None, qkv, residual, norm_weight, 1e-5, w, k_cache, v_cache, positions, slots, cos_sin, heads,
-                              kv_heads, hidden)
+                              kv_heads, BLOCK, hidden)
     q = heads * D
     assert np.array_equal(qkv.get()[:, :q], expected_qkv.get()[:, :q])
     assert np.array_equal(k_cache.get(), expected_k.get())

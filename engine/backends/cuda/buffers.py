@@ -52,13 +52,14 @@ class StepBuffers:
 
 
 class KvCache:
-    """Each layer's K and V, [slots, kv_heads, head_dim], slot = block * block_size +
-    offset: bfloat16, or e4m3 codes where `fp8` (cuda_src/kv_cache.cuh). One block more
-    than asked for, `dummy_block`, belongs to no sequence: the padding rows of CUDA
-    graphs and batch-invariant tiles write there."""
+    """Each layer's K and V, [blocks, kv_heads, block_size, head_dim] (a KV head's
+    positions of a block in one run, as attention reads them): bfloat16, or e4m3 codes
+    where `fp8` (cuda_src/kv_cache.cuh). Slot block * block_size + offset names a block's
+    position. One block more than asked for, `dummy_block`, belongs to no sequence: the
+    padding rows of CUDA graphs and batch-invariant tiles write there."""
 
     def __init__(self, c: ModelConfig, num_blocks: int, block_size: int, fp8: bool):
-        shape, dtype = ((num_blocks + 1) * block_size, c.num_kv_heads, c.head_dim), self.element(fp8)
+        shape, dtype = (num_blocks + 1, c.num_kv_heads, block_size, c.head_dim), self.element(fp8)
         self.k = [gpuarray.empty(shape, dtype) for _ in range(c.num_layers)]
         self.v = [gpuarray.empty(shape, dtype) for _ in range(c.num_layers)]
         self.block_size, self.dummy_block = block_size, num_blocks

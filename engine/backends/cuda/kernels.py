@@ -41,18 +41,18 @@ SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i in
     "add_rmsnorm": ("rmsnorm.cu", "PPPPPif"),
     "head_rmsnorm": ("rmsnorm.cu", "PPPiif"),
     "rope_cos_sin": ("rope_cache.cu", "PPi"),
-    "rope_and_cache": ("rope_cache.cu", "PPPPPPiii"),
+    "rope_and_cache": ("rope_cache.cu", "PPPPPPiiii"),
     **{name: ("attention.cu", "PPPPPPPPPiPPiiiif") for name in ("paged_attention_partial", "paged_attention_partial_prefetch")},
     "paged_attention_merge": ("attention.cu", "PPPPPii"),
     "prefill_attention_partial": ("attention.cu", "PPPPPPPPiPPPiiiif"),
     "silu_and_mul": ("activation.cu", "PPi"),
     "gemv": ("gemv.cu", "PiPPii"),
     "gemv_add": ("gemv.cu", "PPPii"),
-    "gemv_rmsnorm_rope": ("gemv.cu", "PPPfPPPPPPiiiii"),
+    "gemv_rmsnorm_rope": ("gemv.cu", "PPPfPPPPPPiiiiii"),
     "gemv_rmsnorm_silu": ("gemv.cu", "PPPfPii"),
     **{f"gemv{suffix}": ("gemv.cu", "PiPPPiii") for suffix in ("_fp8", "_int4")},
     **{f"gemv_add{suffix}": ("gemv.cu", "PPPPiii") for suffix in ("_fp8", "_int4")},
-    **{f"gemv_rmsnorm_rope{suffix}": ("gemv.cu", "PPPfPPiPPPPPiiiii") for suffix in ("_fp8", "_int4")},
+    **{f"gemv_rmsnorm_rope{suffix}": ("gemv.cu", "PPPfPPiPPPPPiiiiii") for suffix in ("_fp8", "_int4")},
     **{f"gemv_rmsnorm_silu{suffix}": ("gemv.cu", "PPPfPPiii") for suffix in ("_fp8", "_int4")},
     **{f"dequantize{suffix}": ("gemv.cu", "PPPiiii") for suffix in ("_fp8", "_int4")},
     **{f"skinny_gemm_s{n}": ("skinny_gemm.cu", "PiPiPii") for n in SKINNY_SPLITS},
@@ -279,12 +279,13 @@ class Kernels:
                                                            np.int32(half))
 
     def rope_and_cache(self, stream, qkv, k_cache, v_cache, positions, slots, cos_sin, tokens: int, heads: int,
-                       kv_heads: int) -> None:
-        """q rotated in place; rotated k and plain v written to cache slot slots[t]."""
+                       kv_heads: int, block_size: int) -> None:
+        """q rotated in place; rotated k and plain v written to cache slot slots[t] (caches
+        of blocks of `block_size` slots: KvCache)."""
         threads = rope_and_cache_threads(heads, kv_heads, self.head_dim)
         self.functions["rope_and_cache"].prepared_async_call(
             (tokens, 1), (threads, 1, 1), stream, ptr(qkv), ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots),
-            ptr(cos_sin), np.int32(heads), np.int32(kv_heads), np.int32(self.head_dim))
+            ptr(cos_sin), np.int32(heads), np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift(block_size)))
 
     # -- attention.cu -------------------------------------------------------------------
     def paged_attention_partial(self, stream, out, arrivals, attention: PagedAttention, k_cache, v_cache,
@@ -343,13 +344,14 @@ class Kernels:
         self._gemv("gemv_add", stream, w, d_in, d_out, 0, blocks, (ptr(residual), ptr(x)))
 
     def gemv_rmsnorm_rope(self, stream, qkv, residual, norm_weight, eps: float, w, k_cache, v_cache, positions, slots,
-                          cos_sin, heads: int, kv_heads: int, hidden: int, blocks: int | None = None) -> None:
+                          cos_sin, heads: int, kv_heads: int, block_size: int, hidden: int,
+                          blocks: int | None = None) -> None:
         """qkv = RMSNorm(residual) @ w^T, then rope_and_cache's work on it."""
         width = (heads + 2 * kv_heads) * self.head_dim
         self._gemv("gemv_rmsnorm_rope", stream, w, hidden, width // 2, 2 * hidden, blocks,
                    (ptr(qkv), ptr(residual), ptr(norm_weight), np.float32(eps)),
                    (ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots), ptr(cos_sin), np.int32(heads),
-                    np.int32(kv_heads), np.int32(self.head_dim)))
+                    np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift(block_size))))
 
     def gemv_rmsnorm_silu(self, stream, act, residual, norm_weight, eps: float, w, hidden: int, inter: int,
                           blocks: int | None = None) -> None:
