@@ -53,7 +53,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         + ", ".join(f"{n} on {backend}" for backend, n in DEFAULT_TOKEN_BUDGETS.items()) + ")")
     p.add_argument("--max-waiting", type=_number(int, 0), default=d.max_waiting,
                    help="requests queued beyond --max-num-seqs before new ones get RESOURCE_EXHAUSTED")
-    p.add_argument("--block-size", type=_number(int, 1, 1024), default=d.block_size, help="tokens per KV-cache block")
+    p.add_argument("--block-size", type=_number(int, 1, 1024), default=d.block_size,
+                   help="tokens per KV-cache block (on the GPU a power of two, at least 4)")
     p.add_argument("--num-kv-blocks", type=POSITIVE, help="KV-cache blocks (default: as many as --kv-cache-memory-gb holds)")
     p.add_argument("--kv-cache-memory-gb", type=_number(float, 0, low_open=True), default=d.kv_cache_memory_gb,
                    help="memory for the KV cache on the CPU")

@@ -239,9 +239,12 @@ def test_fp8_of_a_block_size_the_kernels_do_not_read_runs_as_bfloat16(model):
         [[(launch.kernel, launch.grid) for launch in step] for step in bf16]
 
 
-@pytest.mark.parametrize("block_size", [12, 3])
-def test_a_kv_block_size_that_is_no_power_of_two_is_refused_with_the_nearest_ones(model, block_size):
-    """The attention kernels find a position's slot by a shift and a mask."""
-    nearest = {12: "use --block-size 8 or 16", 3: "use --block-size 2 or 4"}[block_size]
-    with pytest.raises(ValueError, match=f"power of two of tokens, not {block_size}: {nearest}"):
+@pytest.mark.parametrize("block_size, message", [
+    (12, "blocks hold a power of two of tokens, not 12: use --block-size 8 or 16"),  # (a slot is a shift and a mask)
+    (3, "block size 3 is too small for the attention kernel: use at least 4"),  # (a partition's blocks fit its table)
+    (1, "block size 1 is too small for the attention kernel: use at least 4"),
+])
+def test_a_kv_block_size_the_kernels_cannot_take_is_refused_with_one_they_can(model, block_size, message):
+    with pytest.raises(ValueError, match=message):
         engine_steps(model, [], config=EngineConfig(num_kv_blocks=128, block_size=block_size))
+    engine_steps(model, [], config=EngineConfig(num_kv_blocks=128, block_size=int(message.split()[-1])))

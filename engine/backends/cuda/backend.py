@@ -36,6 +36,9 @@ log = logging.getLogger("llamastream.engine")
 FORMAT_NAMES = {"bf16": "bfloat16", "fp8": "fp8_e4m3", "int4": "int4"}  # LinearWeight formats, as weight_dtype says them
 WORKSPACE_BYTES = 32 * 2**20
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
+# The smallest block size (a power of two) of which a partition's blocks fit the
+# attention kernels' table (MAX_PART_BLOCKS, with one block each side of it).
+MIN_BLOCK_SIZE = 1 << (-(-PARTITION // (MAX_PART_BLOCKS - 2)) - 1).bit_length()
 
 
 def kv_cache_budget(fraction: float, total: int, free: int, ours: int) -> float:
@@ -137,10 +140,10 @@ class CudaBackend:
         """The cache, and the CUDA graphs for decode steps of up to `max_batch` sequences
         (of fewer in contexts past graph_max_context, up to `max_context`) and for short
         prompt chunks."""
-        block_shift(block_size)  # (a ValueError unless a power of two)
-        if PARTITION // block_size + 2 > MAX_PART_BLOCKS:
+        if block_size < MIN_BLOCK_SIZE:
             raise ValueError(f"block size {block_size} is too small for the attention kernel: use at least "
-                             f"{-(-PARTITION // (MAX_PART_BLOCKS - 2))}")
+                             f"{MIN_BLOCK_SIZE}")
+        block_shift(block_size)  # (a ValueError unless a power of two)
         c = self.config
         with self._context():
             self.cache = KvCache(c, num_blocks, block_size, self.fp8_kv)
