@@ -503,7 +503,8 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
         for (int e = threadIdx.x; e < KV_TILE * HEAD_DIM / KV_PIECE; e += PREFILL_THREADS) {
             const int j = e / (HEAD_DIM / KV_PIECE), d = e % (HEAD_DIM / KV_PIECE) * KV_PIECE, p = tile + j;
             size_t idx = 0;
-            if (p < end) idx = kv_row(table[p >> block_shift], in_block(p, block_shift), kvh, kv_heads, block_shift) * HEAD_DIM + d;
+            if (p < end)
+                idx = kv_row(table[p >> block_shift], in_block(p, block_shift), kvh, kv_heads, block_shift) * HEAD_DIM + d;
             copy16_async(&k_codes[buf][j][d], k_cache + idx, p < end);
             copy16_async(&v_codes[buf][j][d], v_cache + idx, p < end);
         }

@@ -353,8 +353,9 @@ extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope(bf16* __restrict__
                                                          const int* __restrict__ slots, const float2* __restrict__ cos_sin,
                                                          int heads, int kv_heads, int head_dim, int block_shift,
                                                          int d_in, int d_out) {
-    gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_BF16>(qkv, false, residual, norm_weight, eps, bf16_weight(w), d_in, d_out,
-                                                   {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift});
+    gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_BF16>(
+        qkv, false, residual, norm_weight, eps, bf16_weight(w), d_in, d_out,
+        {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift});
 }
 
 extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope_fp8(
@@ -362,8 +363,9 @@ extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope_fp8(
     const uint8_t* __restrict__ w, const float* __restrict__ w_scale, int scale_cols, kv_t* __restrict__ k_cache,
     kv_t* __restrict__ v_cache, const int* __restrict__ positions, const int* __restrict__ slots,
     const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int block_shift, int d_in, int d_out) {
-    gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_FP8>(qkv, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in,
-                                                  d_out, {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift});
+    gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_FP8>(
+        qkv, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in, d_out,
+        {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift});
 }
 
 extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope_int4(
@@ -371,8 +373,9 @@ extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope_int4(
     const uint8_t* __restrict__ w, const float* __restrict__ w_scale, int scale_cols, kv_t* __restrict__ k_cache,
     kv_t* __restrict__ v_cache, const int* __restrict__ positions, const int* __restrict__ slots,
     const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int block_shift, int d_in, int d_out) {
-    gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_INT4>(qkv, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in,
-                                                   d_out, {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift});
+    gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_INT4>(
+        qkv, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in, d_out,
+        {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift});
 }
 
 // act = silu_and_mul(RMSNorm(residual) @ w^T), w = [gate | up] of 2 * d_out rows;

@@ -9,8 +9,8 @@
 // positions of a block are one run of memory, as an attention block (one KV head) reads
 // them (against [slots, kv_heads, head_dim], decode attention gained ~5%). A block holds
 // 2^block_shift positions: position p of a sequence is at offset in_block(p) of block
-// block_table[p >> block_shift]. (A shift and a mask: a division by a block size known
-// only at run time cost decode attention ~7% more.)
+// block_table[p >> block_shift]. (Shifts: a division by a block size known only at run
+// time cost decode attention ~7% more.)
 __device__ __forceinline__ int in_block(int pos, int block_shift) { return pos - (pos >> block_shift << block_shift); }
 
 // The cache row (head_dim elements) of KV head kvh at `offset` in block `block`.
