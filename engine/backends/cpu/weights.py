@@ -112,12 +112,22 @@ class PackedCall:
 
 
 class QuantizedRows:
-    """Room for `rows` activation rows of up to `columns` quantized (linear.c's linear_q)."""
+    """Room for `rows` activation rows of up to `columns` quantized (linear.c's linear_q).
+    The rows start on cache lines: the products read them 64 bytes at a time, and where
+    such reads straddle two lines a batch of 8 multiplies ~15% slower."""
 
     def __init__(self, rows: int, columns: int):
-        self.arrays = (np.empty(rows * columns, np.int16), np.empty(rows * columns // BLOCK, np.float32),
+        self.arrays = (line_aligned(rows * columns, np.int16), np.empty(rows * columns // BLOCK, np.float32),
                        np.empty(rows * columns // BLOCK, np.float32))
         self.xq, self.sx, self.xs = (addr(a) for a in self.arrays)
+
+
+def line_aligned(n: int, dtype) -> np.ndarray:
+    """An uninitialised array of n `dtype`s whose first element starts a 64-byte cache line."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.empty(n * itemsize + 63, np.uint8)
+    start = -addr(raw) % 64
+    return raw[start : start + n * itemsize].view(dtype)
 
 
 def repack(weight) -> CpuLinear:
