@@ -55,13 +55,13 @@ def inputs(contexts: list[int], rng: np.random.Generator) -> dict:
     tables = np.zeros((len(contexts), blocks.max()), np.int32)
     for i, (n, end) in enumerate(zip(blocks, ends)):
         tables[i, :n] = pool[end - n : end]
-    slots = int(blocks.sum()) * BLOCK
+    cache_shape = (int(blocks.sum()), KV_HEADS, BLOCK, HEAD_DIM)  # (engine/backends/cuda/buffers.py's KvCache)
 
     def bf16(shape: tuple[int, ...]) -> gpuarray.GPUArray:
         return gpuarray.to_gpu(f32_to_bf16_bits(rng.standard_normal(shape, np.float32)))
     return {
         "qkv": bf16((len(contexts), (HEADS + 2 * KV_HEADS) * HEAD_DIM)),
-        "k": bf16((slots, KV_HEADS, HEAD_DIM)), "v": bf16((slots, KV_HEADS, HEAD_DIM)),
+        "k": bf16(cache_shape), "v": bf16(cache_shape),
         "tables": gpuarray.to_gpu(tables), "max_blocks": tables.shape[1],
         "token_seq": gpuarray.to_gpu(np.arange(len(contexts), dtype=np.int32)),
         "positions": gpuarray.to_gpu(np.array(contexts, np.int32) - 1),

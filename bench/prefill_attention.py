@@ -65,7 +65,7 @@ def case_inputs(tokens: int, cached: int, kv_fp8: bool, rng: np.random.Generator
         return gpuarray.to_gpu(f32_to_bf16_bits(rng.standard_normal(shape, np.float32)))
 
     def cache() -> gpuarray.GPUArray:
-        shape = (blocks * BLOCK, KV_HEADS, HEAD_DIM)
+        shape = (blocks, KV_HEADS, BLOCK, HEAD_DIM)  # (engine/backends/cuda/buffers.py's KvCache)
         return gpuarray.to_gpu(f32_to_e4m3(rng.standard_normal(shape, np.float32))) if kv_fp8 else bf16(shape)
     return {
         "qkv": bf16((tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)), "k": cache(), "v": cache(),
