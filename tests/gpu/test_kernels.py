@@ -19,7 +19,7 @@ import pycuda.gpuarray as gpuarray  # noqa: E402
 
 from engine.backends import numpy_backend as ref  # noqa: E402
 from engine.backends.cuda.cublas import Cublas, DataType  # noqa: E402
-from engine.backends.cuda.kernels import Kernels, PagedAttention, prefill_query_rows, skinny_splits  # noqa: E402
+from engine.backends.cuda.kernels import Kernels, PagedAttention, block_shift, prefill_query_rows, skinny_splits  # noqa: E402
 from engine.backends.cuda.step_metadata import PARTITION, SHORT_PARTITION  # noqa: E402
 from engine.quantization.fp8 import E4M3, e4m3_to_f32, f32_to_e4m3  # noqa: E402
 from engine.sampler import apply_penalties  # noqa: E402
@@ -68,6 +68,7 @@ E4M3_NAN = np.uint8(0x7F)
 
 
 BLOCK = 16  # KV-cache block size, where a test's is not a parameter
+BLOCK_SHIFT = block_shift(BLOCK)
 
 
 def cache_shape(slots: int, kv_heads: int, D: int, block_size: int = BLOCK) -> tuple[int, ...]:
@@ -168,7 +169,7 @@ def test_rope_and_cache(cuda_context, heads, kv_heads):
     qkv_gpu = up_bf16(qkv)
     k_cache, v_cache = (poisoned_bf16(cache_shape(slots_total, kv_heads, D)) for _ in range(2))
     kernels.rope_and_cache(None, qkv_gpu, k_cache, v_cache, i32(positions), i32(slots), cos_sin_table(kernels, inv_freq, 5000),
-                           tokens, heads, kv_heads, BLOCK)
+                           tokens, heads, kv_heads, BLOCK_SHIFT)
     cos, sin = ref.rope_cos_sin(positions, inv_freq)
     q_in = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     k_in = bf16(qkv)[:, heads * D : (heads + kv_heads) * D].reshape(tokens, kv_heads, D)
@@ -201,7 +202,7 @@ def test_fp8_cache_holds_the_bfloat16_cache_rounded_as_the_numpy_backend_rounds(
         kernels = kernels_for(heads // kv_heads, D, kv_fp8)
         k_cache, v_cache = (poisoned_cache(cache_shape(slots_total, kv_heads, D), kv_fp8) for _ in range(2))
         kernels.rope_and_cache(None, up_bf16(qkv), k_cache, v_cache, positions, i32(slots),
-                               cos_sin_table(kernels, llama3_inv_freq(D), 5000), tokens, heads, kv_heads, BLOCK)
+                               cos_sin_table(kernels, llama3_inv_freq(D), 5000), tokens, heads, kv_heads, BLOCK_SHIFT)
         caches[kv_fp8] = by_slot(k_cache.get()), by_slot(v_cache.get())
     for bf16_bits, codes in zip(caches[False], caches[True]):
         assert np.array_equal(codes[slots], f32_to_e4m3(bf16_bits_to_f32(bf16_bits[slots])))
@@ -427,11 +428,11 @@ def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(cuda_context, heads, 
         return tuple(poisoned_cache(cache_shape(slots_total, kv_heads, D), kv_fp8) for _ in range(2))
     expected_qkv = separate_gemv(kernels, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, width)
     expected_k, expected_v = caches()
-    kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads, BLOCK)
+    kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads, BLOCK_SHIFT)
     qkv = poisoned_bf16((1, width))
     k_cache, v_cache = caches()
     kernels.gemv_rmsnorm_rope(None, qkv, residual, norm_weight, 1e-5, w, k_cache, v_cache, positions, slots, cos_sin, heads,
-                              kv_heads, BLOCK, hidden, blocks)
+                              kv_heads, BLOCK_SHIFT, hidden, blocks)
     q = heads * D
     assert np.array_equal(qkv.get()[:, :q], expected_qkv.get()[:, :q])  # q, rotated in place
     assert np.array_equal(k_cache.get(), expected_k.get())  # k and v in their slot, and nothing else written

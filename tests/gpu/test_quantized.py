@@ -43,7 +43,7 @@ from engine.quantization.fp8 import Fp8Weight  # noqa: E402
 from engine.weights import bf16_bits_to_f32  # noqa: E402
 from tests.gpu.conftest import bf16, log_probs, rel_l2  # noqa: E402
 from engine.backends.cuda.kernels import skinny_splits  # noqa: E402
-from tests.gpu.test_kernels import (BLOCK, TOL, assert_skinny_gemm_is_exact_and_row_invariant, cache_shape,  # noqa: E402
+from tests.gpu.test_kernels import (BLOCK_SHIFT, TOL, assert_skinny_gemm_is_exact_and_row_invariant, cache_shape,  # noqa: E402
                                     cos_sin_table, i32, kernels_for, llama3_inv_freq, poisoned_bf16, separate_add,
                                     separate_rmsnorm, up_bf16)
 
@@ -142,11 +142,11 @@ def test_gemv_rmsnorm_rope_quantized_equals_gemv_then_rope_and_cache(cuda_contex
     expected_qkv = poisoned_bf16((1, width))
     kernels.gemv(None, expected_qkv, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, width)
     expected_k, expected_v = caches()
-    kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads, BLOCK)
+    kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads, BLOCK_SHIFT)
     qkv = poisoned_bf16((1, width))
     k_cache, v_cache = caches()
     kernels.gemv_rmsnorm_rope(None, qkv, residual, norm_weight, 1e-5, w, k_cache, v_cache, positions, slots, cos_sin, heads,
-                              kv_heads, BLOCK, hidden)
+                              kv_heads, BLOCK_SHIFT, hidden)
     q = heads * D
     assert np.array_equal(qkv.get()[:, :q], expected_qkv.get()[:, :q])
     assert np.array_equal(k_cache.get(), expected_k.get())

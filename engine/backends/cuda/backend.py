@@ -22,7 +22,7 @@ from engine.backends.cuda.cublas import Cublas, CublasError
 from engine.backends.cuda.cublaslt import CublasLt
 from engine.backends.cuda.step_graphs import PROMPT_BUCKETS, StepGraphs
 from engine.backends.cuda.forward import ForwardPass
-from engine.backends.cuda.kernels import MAX_PART_BLOCKS, Kernels, block_shift, prefill_query_rows
+from engine.backends.cuda.kernels import MAX_PART_BLOCKS, Kernels, prefill_query_rows
 from engine.backends.cuda.linear import Linear
 from engine.backends.cuda.sampler import GpuSampler
 from engine.backends.cuda.step_metadata import PARTITION, SMALL_DECODE, StepShape, build_metadata, step_shape
@@ -143,7 +143,6 @@ class CudaBackend:
         if block_size < MIN_BLOCK_SIZE:
             raise ValueError(f"block size {block_size} is too small for the attention kernel: use at least "
                              f"{MIN_BLOCK_SIZE}")
-        block_shift(block_size)  # (a ValueError unless a power of two)
         c = self.config
         with self._context():
             self.cache = KvCache(c, num_blocks, block_size, self.fp8_kv)

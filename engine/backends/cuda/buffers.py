@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pycuda.gpuarray as gpuarray
 
+from engine.backends.cuda.kernels import block_shift
 from engine.backends.cuda.step_metadata import FIELDS, StepShape, field_sizes
 from engine.config import ModelConfig
 
@@ -59,6 +60,7 @@ class KvCache:
     padding rows of CUDA graphs and batch-invariant tiles write there."""
 
     def __init__(self, c: ModelConfig, num_blocks: int, block_size: int, fp8: bool):
+        self.block_shift = block_shift(block_size)  # (a ValueError unless a power of two)
         shape, dtype = (num_blocks + 1, c.num_kv_heads, block_size, c.head_dim), self.element(fp8)
         self.k = [gpuarray.empty(shape, dtype) for _ in range(c.num_layers)]
         self.v = [gpuarray.empty(shape, dtype) for _ in range(c.num_layers)]

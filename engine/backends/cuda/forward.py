@@ -111,11 +111,11 @@ class LayerLaunches:
         if self._fusible(qkv):
             self.k.gemv_rmsnorm_rope(self.st, b.qkv, b.residual, self.w[qkv.x.weight], self.eps, self.w[qkv.weight],
                                      self.kc, self.vc, m["positions"], m["slots"], self.fwd.cos_sin, c.num_heads,
-                                     c.num_kv_heads, self.fwd.cache.block_size, c.hidden_size)
+                                     c.num_kv_heads, self.fwd.cache.block_shift, c.hidden_size)
             return b.qkv
         self._into(qkv, b.qkv)
         self.k.rope_and_cache(self.st, b.qkv, self.kc, self.vc, m["positions"], m["slots"], self.fwd.cos_sin,
-                              self.shape.tokens, c.num_heads, c.num_kv_heads, self.fwd.cache.block_size)
+                              self.shape.tokens, c.num_heads, c.num_kv_heads, self.fwd.cache.block_shift)
         return b.qkv
 
     def attention(self, qkv: gpuarray.GPUArray) -> gpuarray.GPUArray:

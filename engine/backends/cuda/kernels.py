@@ -279,13 +279,13 @@ class Kernels:
                                                            np.int32(half))
 
     def rope_and_cache(self, stream, qkv, k_cache, v_cache, positions, slots, cos_sin, tokens: int, heads: int,
-                       kv_heads: int, block_size: int) -> None:
+                       kv_heads: int, block_shift: int) -> None:
         """q rotated in place; rotated k and plain v written to cache slot slots[t] (caches
-        of blocks of `block_size` slots: KvCache)."""
+        of blocks of 2^block_shift slots: KvCache)."""
         threads = rope_and_cache_threads(heads, kv_heads, self.head_dim)
         self.functions["rope_and_cache"].prepared_async_call(
             (tokens, 1), (threads, 1, 1), stream, ptr(qkv), ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots),
-            ptr(cos_sin), np.int32(heads), np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift(block_size)))
+            ptr(cos_sin), np.int32(heads), np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift))
 
     # -- attention.cu -------------------------------------------------------------------
     def paged_attention_partial(self, stream, out, arrivals, attention: PagedAttention, k_cache, v_cache,
@@ -344,14 +344,14 @@ class Kernels:
         self._gemv("gemv_add", stream, w, d_in, d_out, 0, blocks, (ptr(residual), ptr(x)))
 
     def gemv_rmsnorm_rope(self, stream, qkv, residual, norm_weight, eps: float, w, k_cache, v_cache, positions, slots,
-                          cos_sin, heads: int, kv_heads: int, block_size: int, hidden: int,
+                          cos_sin, heads: int, kv_heads: int, block_shift: int, hidden: int,
                           blocks: int | None = None) -> None:
         """qkv = RMSNorm(residual) @ w^T, then rope_and_cache's work on it."""
         width = (heads + 2 * kv_heads) * self.head_dim
         self._gemv("gemv_rmsnorm_rope", stream, w, hidden, width // 2, 2 * hidden, blocks,
                    (ptr(qkv), ptr(residual), ptr(norm_weight), np.float32(eps)),
                    (ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots), ptr(cos_sin), np.int32(heads),
-                    np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift(block_size))))
+                    np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift)))
 
     def gemv_rmsnorm_silu(self, stream, act, residual, norm_weight, eps: float, w, hidden: int, inter: int,
                           blocks: int | None = None) -> None:
