@@ -24,10 +24,13 @@
 #include "common.h"
 
 #define TILE 8  // rows of x a weight row meets while it is in registers
-// GROUP_LAYOUT: a row's blocks go by groups of 8 (those left over, in order, after the
-// last group). In a group, one vector of 16 int16 holds weights j and j + 1 of each
-// of the 8 blocks, so that a multiply-add of pairs (dot_i16) sums each block in its
-// own 32-bit lane: 16 of them make the group's 8 block sums with no shuffling.
+// GROUP_LAYOUT: a row's blocks go by groups of 8, and those left over after the last
+// group by pairs (rows have an even number of blocks: the repacking pads them). In a
+// group of g blocks, weights j and j + 1 of block i are elements 2 g (j / 2) + 2 i and
+// the next, so that a multiply-add of adjacent int16 (dot_i16) sums each block in its
+// own 32-bit lanes with no shuffling: lane l holds block l % g's products. The
+// activations are laid out alike, so that a group's or a pair's block sums, their
+// scales and offsets are all lane by lane, and only a row's end sums across lanes.
 #define GROUP 8
 #define PANEL 2048  // columns (a multiple of GROUP blocks; PANEL_LAYOUT)
 // Weight bytes read ahead of the group being multiplied (into L1: the rows come from
@@ -60,9 +63,9 @@ static void quantize_row(const float *x, int k, int kp, const int32_t *perm, int
             _mm256_storeu_si256((__m256i *)(q + j), r);
             sum = _mm256_add_epi32(sum, r);
         }
-        // a group's vector j / 2 holds weights j and j + 1 of its 8 blocks, in turn
-        int16_t *out = xq + (size_t)(b - (b < grouped ? b % GROUP : 0)) * BLOCK;
-        for (int j = 0; j < BLOCK; j++) out[b < grouped ? j / 2 * 16 + b % GROUP * 2 + j % 2 : j] = (int16_t)q[j];
+        const int g = b < grouped ? GROUP : 2;  // (the blocks of b's group or pair)
+        int16_t *out = xq + (size_t)(b - b % g) * BLOCK;
+        for (int j = 0; j < BLOCK; j++) out[j / 2 * 2 * g + b % g * 2 + j % 2] = (int16_t)q[j];
         sx[b] = top / 32767.0f;
         xs[b] = top / 32767.0f * (float)hsum(_mm256_cvtepi32_ps(sum));
     }
@@ -92,67 +95,65 @@ struct scales {
     int half, zero;
 };
 
-static inline float scale_at(const void *p, size_t i, int half) {
-    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline __m256 scales8_at(const void *p, size_t i, int half) {
+// Eight of a matrix's scales from p[i] on: a group's (`pair` 0), or a pair's two,
+// repeated as lanes 0, 1, 0, 1, ... (`pair` 1), as a group's or pair's lanes are.
+static inline __m256 scales_at(const void *p, size_t i, int half, const int pair) {
+    if (pair) {
+        int32_t two;  // (two float16, or one float32's worth of bits)
+        if (half) return memcpy(&two, (const uint16_t *)p + i, 4), _mm256_cvtph_ps(_mm_set1_epi32(two));
+        return _mm256_castpd_ps(_mm256_broadcast_sd((const double *)((const float *)p + i)));
+    }
     return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
                 : _mm256_loadu_ps((const float *)p + i);
 }
 
-static inline float d_at(const struct scales *s, size_t i) { return scale_at(s->d, i, s->half); }
+static inline __m256 floats_at(const float *p, const int pair) { return scales_at(p, 0, 0, pair); }
 
-static inline float m_at(const struct scales *s, size_t i) {
-    return s->m ? scale_at(s->m, i, s->half) : -d_at(s, i) * (s->z ? s->z[i] : s->zero);
+// The offsets m of a group's or pair's blocks, lane by lane as scales_at: a pair's in
+// lanes 0 and 1 alone (the others repeat them), so that each block's is added once.
+static inline __m256 offsets_at(const struct scales *s, size_t i, __m256 d, const int pair) {
+    __m256 m;
+    if (s->m) {
+        m = scales_at(s->m, i, s->half, pair);
+    } else {
+        __m256 z = _mm256_set1_ps((float)s->zero);
+        if (s->z) {
+            uint16_t two;
+            memcpy(&two, s->z + i, 2);
+            __m128i bytes = pair ? _mm_set1_epi16((short)two) : _mm_loadl_epi64((const __m128i *)(s->z + i));
+            z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+        }
+        m = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), d), z);
+    }
+    return pair ? _mm256_blend_ps(_mm256_setzero_ps(), m, 0x03) : m;
 }
 
-static inline __m256 m8_at(const struct scales *s, size_t i, __m256 d) {
-    if (s->m) return scales8_at(s->m, i, s->half);
-    __m256 z = s->z ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s->z + i))))
-                    : _mm256_set1_ps((float)s->zero);
-    return _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), d), z);
-}
-
-// sum_b m[b] * xs[b] over the blocks [b0, nb) of a row (those that are not in a group)
-static inline float offsets(const struct scales *sc, size_t row, int b0, int nb, const float *xs) {
-    float sum = 0.0f;
-    for (int b = b0; b < nb; b++) sum += m_at(sc, row + b) * xs[b];
-    return sum;
-}
-
-// acc + the block's 32 products: w0 and w1 its weights 0-15 and 16-31 as int16
-static inline __m256 block_dot(__m256 acc, __m256i w0, __m256i w1, const int16_t *x, float d_sx) {
-    __m256i p = dot_i16(_mm256_setzero_si256(), w0, _mm256_loadu_si256((const __m256i *)x));
-    p = dot_i16(p, w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d_sx), acc);
-}
-
-// A group's 16 vectors of weights as int16, held as WIDTH registers of `wvec`: with
-// AVX-512, each zmm register holds two consecutive vectors (j and j + 1), so that one
-// vpdpwssd does 32 multiply-adds of pairs; elsewhere a ymm register holds one. Either
-// way register i meets the activations at x + i * WSTEP.
+// A group's 16 vectors of weights as int16, held as WIDTH registers of `wvec` (a pair's
+// 4 as WIDTH / 4): with AVX-512, each zmm register holds two consecutive vectors (j and
+// j + 1), so that one vpdpwssd does 32 multiply-adds of pairs; elsewhere a ymm register
+// holds one. Either way register i meets the activations at x + i * WSTEP.
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 typedef __m512i wvec;
 #define WIDTH 8
 #define WSTEP 32
-// u4: bytes 16c..16c+15 of a group hold vector c in their low nibbles and c + 8 in their high ones
-static inline void unpack_u4(wvec *w, const uint8_t *q) {
+// u4: byte t of a group's (or pair's) codes holds its element t in the low nibble and
+// element t + 128 (a pair: t + 32) in the high one
+static inline void unpack_u4(wvec *w, const uint8_t *q, const int n) {
     const __m512i nibble = _mm512_set1_epi16(0x0F);
-    for (int c = 0; c < 4; c++) {
+    for (int c = 0; c < n / 2; c++) {
         __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * c)));
         w[c] = _mm512_and_si512(v, nibble);
-        w[c + 4] = _mm512_srli_epi16(v, 4);
+        w[c + n / 2] = _mm512_srli_epi16(v, 4);
     }
 }
-static inline void unpack_u8(wvec *w, const uint8_t *q) {
-    for (int i = 0; i < 8; i++) w[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * i)));
+static inline void unpack_u8(wvec *w, const uint8_t *q, const int n) {
+    for (int i = 0; i < n; i++) w[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * i)));
 }
-// the 8 block sums of a group: w against x (16 int16 per vector, in GROUP_LAYOUT)
-static inline __attribute__((always_inline)) __m256i group_sums(const wvec *w, const int16_t *x) {
+// the lane sums of n registers of weights against x (in GROUP_LAYOUT)
+static inline __attribute__((always_inline)) __m256i lane_sums(const wvec *w, const int n, const int16_t *x) {
     __m512i p[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
                     _mm512_setzero_si512()};  // (four chains of adds)
-    for (int i = 0; i < 8; i++) p[i % 4] = _mm512_dpwssd_epi32(p[i % 4], w[i], _mm512_loadu_si512(x + WSTEP * i));
+    for (int i = 0; i < n; i++) p[i % 4] = _mm512_dpwssd_epi32(p[i % 4], w[i], _mm512_loadu_si512(x + WSTEP * i));
     __m512i s = _mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3]));
     return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));  // vector j's + j + 1's
 }
@@ -160,108 +161,63 @@ static inline __attribute__((always_inline)) __m256i group_sums(const wvec *w, c
 typedef __m256i wvec;
 #define WIDTH 16
 #define WSTEP 16
-static inline void unpack_u4(wvec *w, const uint8_t *q) {
+static inline void unpack_u4(wvec *w, const uint8_t *q, const int n) {
     const __m256i nibble = _mm256_set1_epi16(0x0F);
-    for (int c = 0; c < 8; c++) {
+    for (int c = 0; c < n / 2; c++) {
         __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * c)));
         w[c] = _mm256_and_si256(v, nibble);
-        w[c + 8] = _mm256_srli_epi16(v, 4);
+        w[c + n / 2] = _mm256_srli_epi16(v, 4);
     }
 }
-static inline void unpack_u8(wvec *w, const uint8_t *q) {
-    for (int j = 0; j < 16; j++) w[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * j)));
+static inline void unpack_u8(wvec *w, const uint8_t *q, const int n) {
+    for (int j = 0; j < n; j++) w[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * j)));
 }
-static inline __attribute__((always_inline)) __m256i group_sums(const wvec *w, const int16_t *x) {
+static inline __attribute__((always_inline)) __m256i lane_sums(const wvec *w, const int n, const int16_t *x) {
     __m256i p[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                     _mm256_setzero_si256()};  // (four chains of adds)
-    for (int j = 0; j < 16; j++) p[j % 4] = dot_i16(p[j % 4], w[j], _mm256_loadu_si256((const __m256i *)(x + WSTEP * j)));
+    for (int j = 0; j < n; j++) p[j % 4] = dot_i16(p[j % 4], w[j], _mm256_loadu_si256((const __m256i *)(x + WSTEP * j)));
     return _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
 }
 #endif
 
-// acc + a group's products for 8 blocks at once (w: its weights, x the row's 16 vectors):
-// lane i of the int32 sums is block i's dot product, scaled by d[i] sx[i], and the
-// offset m[i] xs[i] is added in the same lane (one accumulator a row of x: with 8
-// rows, two would not fit in the registers).
-static inline __attribute__((always_inline)) void group_dot(__m256 *acc, const wvec *w, const int16_t *x, __m256 d,
-                                                            __m256 m, const float *sx, const float *xs) {
-    __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(sx));
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(w, x)), scale, *acc);
-    *acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs), *acc);
+// acc[r] + the products of a group of 8 blocks (pair 0) or of a pair (pair 1) of one
+// weight row (codes q, scales from sc's `at`) with rows r of x from its block b on:
+// lane by lane, scaled by d sx and offset by m xs there.
+static inline __attribute__((always_inline)) void blocks_dot(const int rows, const int bits, const int pair,
+                                                             __m256 *acc, const uint8_t *q, const struct scales *sc,
+                                                             size_t at, const int16_t *xq, const float *sx,
+                                                             const float *xs, int kp, int nb, int b) {
+    const int n = pair ? WIDTH / 4 : WIDTH;
+    wvec w[WIDTH];
+    prefetch(q + AHEAD, (pair ? 2 : GROUP) * BLOCK * bits / 8);
+    if (bits == 4) unpack_u4(w, q, n); else unpack_u8(w, q, n);
+    const __m256 d = scales_at(sc->d, at, sc->half, pair), m = offsets_at(sc, at, d, pair);
+    #pragma GCC unroll 8  // (each row's accumulator a register of its own)
+    for (int r = 0; r < rows; r++) {
+        const size_t i = (size_t)r * nb + b;
+        const __m256 sums = _mm256_cvtepi32_ps(lane_sums(w, n, xq + (size_t)r * kp + b * BLOCK));
+        acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, floats_at(sx + i, pair)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, floats_at(xs + i, pair), acc[r]);
+    }
 }
 
-// The row kernels below compute, for one weight row, the products of the columns of a
-// panel: y[r * ldy] (+)= w . x[r] for `rows` (<= TILE) quantized rows of x, x[r] at xq +
-// r * kp (sx and xs at r * nb), the panel `pk` columns, added to y where `add`.
-//
-// One weight row of u4. A group's 128
-// bytes widen to int16 weights: the low nibbles and the high ones (GROUP_LAYOUT). The
-// blocks after the last group come in pairs of 32 bytes, byte j holding the pair's
-// first block's weight j in its low nibble and the second's in its high one.
-static inline __attribute__((always_inline)) void u4_row(const int rows, float *y, int ldy, int add,
-                                                         const int16_t *xq, const float *sx, const float *xs, int kp,
-                                                         int nb, int pk, const uint8_t *wq, const struct scales *sc,
-                                                         size_t row) {
-    const int pb = pk / BLOCK, grouped = pb / GROUP * GROUP;
-    const __m256i nibble = _mm256_set1_epi16(0x0F);
-    __m256 acc[TILE];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < grouped; b += GROUP) {
-        wvec w[WIDTH];
-        prefetch(wq + b * BLOCK / 2 + AHEAD, BLOCK * GROUP / 2);
-        unpack_u4(w, wq + b * BLOCK / 2);
-        const __m256 d = scales8_at(sc->d, row + b, sc->half), m = m8_at(sc, row + b, d);
-        #pragma GCC unroll 8  // (each row's accumulator a register of its own)
-        for (int r = 0; r < rows; r++)
-            group_dot(&acc[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
-                      xs + (size_t)r * nb + b);
-    }
-    for (int b = grouped; b < pb; b += 2) {
-        __m256i lo16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK / 2)));
-        __m256i hi16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK / 2 + 16)));
-        __m256i a0 = _mm256_and_si256(lo16, nibble), b0 = _mm256_srli_epi16(lo16, 4);
-        __m256i a1 = _mm256_and_si256(hi16, nibble), b1 = _mm256_srli_epi16(hi16, 4);
-        for (int r = 0; r < rows; r++) {
-            const int16_t *x = xq + (size_t)r * kp + b * BLOCK;
-            const float *s = sx + (size_t)r * nb + b;
-            acc[r] = block_dot(acc[r], a0, a1, x, d_at(sc, row + b) * s[0]);
-            acc[r] = block_dot(acc[r], b0, b1, x + BLOCK, d_at(sc, row + b + 1) * s[1]);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        y[(size_t)r * ldy] = (add ? y[(size_t)r * ldy] : 0.0f) + hsum(acc[r]) +
-                             offsets(sc, row, grouped, pb, xs + (size_t)r * nb);
-}
-
-// One weight row of u8: groups of 256 bytes in GROUP_LAYOUT, then the other blocks'
-// 32 bytes in order.
-static inline __attribute__((always_inline)) void u8_row(const int rows, float *y, int ldy, int add,
-                                                         const int16_t *xq, const float *sx, const float *xs, int kp,
-                                                         int nb, int pk, const uint8_t *wq, const struct scales *sc,
-                                                         size_t row) {
+// One weight row of u4 or u8 (`bits`) against the columns of a panel: y[r * ldy] (+)=
+// w . x[r] for `rows` (<= TILE) quantized rows of x, x[r] at xq + r * kp (sx and xs at r
+// * nb), the panel `pk` columns, added to y where `add`. One accumulator a row of x
+// (with 8 rows, two would not fit in the registers), its lanes summed at the end.
+static inline __attribute__((always_inline)) void quantized_row(const int rows, const int bits, float *y, int ldy,
+                                                                int add, const int16_t *xq, const float *sx,
+                                                                const float *xs, int kp, int nb, int pk,
+                                                                const uint8_t *wq, const struct scales *sc, size_t row) {
     const int pb = pk / BLOCK, grouped = pb / GROUP * GROUP;
     __m256 acc[TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < grouped; b += GROUP) {
-        wvec w[WIDTH];
-        prefetch(wq + b * BLOCK + AHEAD, BLOCK * GROUP);
-        unpack_u8(w, wq + b * BLOCK);
-        const __m256 d = scales8_at(sc->d, row + b, sc->half), m = m8_at(sc, row + b, d);
-        #pragma GCC unroll 8  // (each row's accumulator a register of its own)
-        for (int r = 0; r < rows; r++)
-            group_dot(&acc[r], w, xq + (size_t)r * kp + b * BLOCK, d, m, sx + (size_t)r * nb + b,
-                      xs + (size_t)r * nb + b);
-    }
-    for (int b = grouped; b < pb; b++) {
-        __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK)));
-        __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + b * BLOCK + 16)));
-        #pragma GCC unroll 8  // (each row's accumulator a register of its own)
-        for (int r = 0; r < rows; r++)
-            acc[r] = block_dot(acc[r], w0, w1, xq + (size_t)r * kp + b * BLOCK, d_at(sc, row + b) * sx[(size_t)r * nb + b]);
-    }
-    for (int r = 0; r < rows; r++)
-        y[(size_t)r * ldy] = (add ? y[(size_t)r * ldy] : 0.0f) + hsum(acc[r]) +
-                             offsets(sc, row, grouped, pb, xs + (size_t)r * nb);
+    int b = 0;
+    for (; b < grouped; b += GROUP)
+        blocks_dot(rows, bits, 0, acc, wq + b * BLOCK * bits / 8, sc, row + b, xq, sx, xs, kp, nb, b);
+    for (; b < pb; b += 2)
+        blocks_dot(rows, bits, 1, acc, wq + b * BLOCK * bits / 8, sc, row + b, xq, sx, xs, kp, nb, b);
+    for (int r = 0; r < rows; r++) y[(size_t)r * ldy] = (add ? y[(size_t)r * ldy] : 0.0f) + hsum(acc[r]);
 }
 
 // The row kernels above with `rows` a constant, so that their accumulators stay in registers.
@@ -313,9 +269,9 @@ static void linear_q_rows(void *ctx, int begin, int end) {
                 const size_t row = (size_t)o * (pk / BLOCK);
                 float *yr = a->y + (size_t)r * ldy + o;
                 if (a->bits == 4) {
-                    FOR_TILE(u4_row, rows, yr, ldy, add, xr, sr, xsr, kp, nb, pk, wq, &sc, row)
+                    FOR_TILE(quantized_row, rows, 4, yr, ldy, add, xr, sr, xsr, kp, nb, pk, wq, &sc, row)
                 } else {
-                    FOR_TILE(u8_row, rows, yr, ldy, add, xr, sr, xsr, kp, nb, pk, wq, &sc, row)
+                    FOR_TILE(quantized_row, rows, 8, yr, ldy, add, xr, sr, xsr, kp, nb, pk, wq, &sc, row)
                 }
             }
         }

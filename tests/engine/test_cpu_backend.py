@@ -93,7 +93,7 @@ def test_every_weight_form_multiplies_as_its_dequantized_weights(kernels, n, k, 
 
 
 def test_gguf_rows_of_an_odd_number_of_blocks_are_padded(kernels):
-    w = rng.standard_normal((16, 160)).astype(np.float32)  # 5 blocks: u4 pairs them, so a zero block is added
+    w = rng.standard_normal((16, 160)).astype(np.float32)  # 5 blocks: two pairs and a zero block's
     weight = _gguf(w, GGML.Q4_1)
     linear = repack(weight)
     assert (linear.form, linear.kp) == ("u4", 192)
@@ -101,11 +101,12 @@ def test_gguf_rows_of_an_odd_number_of_blocks_are_padded(kernels):
     np.testing.assert_allclose(linear(kernels, x), x @ weight.float32().T, atol=2e-4 * np.abs(x @ w.T).max())
 
 
-def test_rows_of_several_panels_and_a_last_one_of_blocks_outside_groups(kernels):
-    w = rng.standard_normal((24, 4192)).astype(np.float32)  # 131 blocks: panels of 64, 64 and 3 (u4: 4)
-    x = rng.standard_normal((3, 4192)).astype(np.float32)
-    for kind in (GGML.Q4_1, GGML.Q8_0):
-        weight = _gguf(w, kind)
+@pytest.mark.parametrize("k", [576, 4192])  # 18 blocks: two groups and a pair; 131: panels of 64, 64 and 3 (+ 1)
+@pytest.mark.parametrize("rows", [3, 8])
+def test_blocks_after_the_last_group_multiply_by_pairs(kernels, k, rows):
+    w = rng.standard_normal((24, k)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    for weight in (_gguf(w, GGML.Q4_1), _gguf(w, GGML.Q8_0), _gguf(w, GGML.Q4_0), _int4(24, k, 32, act_order=False)):
         np.testing.assert_allclose(repack(weight)(kernels, x), x @ weight.float32().T, atol=2e-4 * np.abs(x @ w.T).max())
 
 

@@ -157,18 +157,16 @@ def _blocks(q: np.ndarray, d: np.ndarray, bits: int, k: int, *, m: np.ndarray | 
     one z for every block)."""
     zero, z = (z, None) if isinstance(z, int) else (0, z)
     n, blocks, _ = q.shape
-    if bits == 4 and blocks % 2:  # (u4 pairs blocks: a zero block completes the last pair)
+    if blocks % 2:  # (the blocks after the last group go in pairs: a zero block completes the last)
         q = np.concatenate([q, np.zeros((n, 1, BLOCK), np.uint8)], axis=1)
         d, m, z = (None if a is None else np.concatenate([a, np.zeros((n, 1), a.dtype)], axis=1) for a in (d, m, z))
         blocks += 1
     grouped = blocks // GROUP * GROUP
-    # linear.c's GROUP_LAYOUT: [rows, groups, vector j, block i, weight 2j + t] for the groups
-    groups = q[:, :grouped].reshape(n, -1, GROUP, 16, 2).transpose(0, 1, 3, 2, 4)
-    if bits == 4:  # vectors 0-7 in the low nibbles, 8-15 in the high ones; then pairs of blocks
-        pairs = q[:, grouped:].reshape(n, -1, 2, BLOCK)
-        parts = [groups[:, :, :8] | (groups[:, :, 8:] << 4), pairs[:, :, 0] | (pairs[:, :, 1] << 4)]
-    else:
-        parts = [groups, q[:, grouped:]]
+    # linear.c's GROUP_LAYOUT: [rows, groups, weight pair j, block i, weight 2j + t], then as much by pairs
+    parts = [q[:, span].reshape(n, -1, g, 16, 2).transpose(0, 1, 3, 2, 4).reshape(n, -1, g * BLOCK)
+             for span, g in ((slice(0, grouped), GROUP), (slice(grouped, None), 2))]
+    if bits == 4:  # byte t: element t of a group or pair in its low nibble, element t of its second half in the high
+        parts = [part[..., : part.shape[-1] // 2] | (part[..., part.shape[-1] // 2 :] << 4) for part in parts]
     codes = np.concatenate([part.reshape(n, -1) for part in parts], axis=1)
     scales = [a for a in (d, m) if a is not None]
     half = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in scales)
