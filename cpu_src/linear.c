@@ -98,11 +98,12 @@ struct scales {
 // Eight of a matrix's scales from p[i] on: a group's (`pair` 0), or a pair's two,
 // repeated as lanes 0, 1, 0, 1, ... (`pair` 1), as a group's or pair's lanes are.
 static inline __m256 scales_at(const void *p, size_t i, int half, const int pair) {
-    if (pair) {
-        int32_t two;  // (two float16, or one float32's worth of bits)
-        if (half) return memcpy(&two, (const uint16_t *)p + i, 4), _mm256_cvtph_ps(_mm_set1_epi32(two));
-        return _mm256_castpd_ps(_mm256_broadcast_sd((const double *)((const float *)p + i)));
+    if (pair && half) {
+        int32_t two;  // (both float16)
+        memcpy(&two, (const uint16_t *)p + i, sizeof(two));
+        return _mm256_cvtph_ps(_mm_set1_epi32(two));
     }
+    if (pair) return _mm256_castpd_ps(_mm256_broadcast_sd((const double *)((const float *)p + i)));
     return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
                 : _mm256_loadu_ps((const float *)p + i);
 }
