@@ -18,6 +18,7 @@ from gguf import quantize
 
 from engine.backends import create_backend
 from engine.backends import numpy_backend as ref
+from engine.backends.cpu import kernels as cpu_kernels
 from engine.backends.cpu.backend import CpuBackend
 from engine.backends.cpu.kernels import CpuKernels, addr
 from engine.backends.cpu.weights import repack
@@ -34,6 +35,17 @@ rng = np.random.default_rng(0)
 @pytest.fixture(scope="module")
 def kernels() -> CpuKernels:
     return CpuKernels(threads=2)
+
+
+@pytest.fixture(scope="module", params=["native", "AVX2 only"])
+def product_kernels(request) -> CpuKernels:
+    """The kernels as this CPU runs them, and as one without AVX-512 would (the products'
+    ymm code path: linear.c's other half)."""
+    if request.param == "native":
+        return CpuKernels(threads=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_kernels, "FLAGS", cpu_kernels.FLAGS + ("-mno-avx512f",))
+        return CpuKernels(threads=2)
 
 
 def _gguf(w: np.ndarray, kind: GGML) -> GgufWeight:
@@ -81,33 +93,35 @@ def weights_of_every_form(n: int, k: int) -> dict[str, object]:
 
 @pytest.mark.parametrize("n, k", [(96, 512), (40, 768), (24, 256), (16, 4352)])  # (4352: panels of 2048, 2048, 256)
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
-def test_every_weight_form_multiplies_as_its_dequantized_weights(kernels, n, k, rows):
+def test_every_weight_form_multiplies_as_its_dequantized_weights(product_kernels, n, k, rows):
     x = rng.standard_normal((rows, k)).astype(np.float32)
     for name, weight in weights_of_every_form(n, k).items():
         linear = repack(weight)
         expected = x @ weight.float32().T
-        got = linear(kernels, x)
+        got = linear(product_kernels, x)
         err = np.abs(got - expected).max() / np.abs(expected).max()
         bound = 2e-4 if linear.form in ("u4", "u8") else 1e-5
         assert err < bound, f"{name} ({linear.form}): relative error {err:.1e}"
 
 
-def test_gguf_rows_of_an_odd_number_of_blocks_are_padded(kernels):
+def test_gguf_rows_of_an_odd_number_of_blocks_are_padded(product_kernels):
     w = rng.standard_normal((16, 160)).astype(np.float32)  # 5 blocks: two pairs and a zero block's
     weight = _gguf(w, GGML.Q4_1)
     linear = repack(weight)
     assert (linear.form, linear.kp) == ("u4", 192)
     x = rng.standard_normal((2, 160)).astype(np.float32)
-    np.testing.assert_allclose(linear(kernels, x), x @ weight.float32().T, atol=2e-4 * np.abs(x @ w.T).max())
+    np.testing.assert_allclose(linear(product_kernels, x), x @ weight.float32().T,
+                               atol=2e-4 * np.abs(x @ w.T).max())
 
 
 @pytest.mark.parametrize("k", [576, 4192])  # 18 blocks: two groups and a pair; 131: panels of 64, 64 and 3 (+ 1)
 @pytest.mark.parametrize("rows", [3, 8])
-def test_blocks_after_the_last_group_multiply_by_pairs(kernels, k, rows):
+def test_blocks_after_the_last_group_multiply_by_pairs(product_kernels, k, rows):
     w = rng.standard_normal((24, k)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     for weight in (_gguf(w, GGML.Q4_1), _gguf(w, GGML.Q8_0), _gguf(w, GGML.Q4_0), _int4(24, k, 32, act_order=False)):
-        np.testing.assert_allclose(repack(weight)(kernels, x), x @ weight.float32().T, atol=2e-4 * np.abs(x @ w.T).max())
+        np.testing.assert_allclose(repack(weight)(product_kernels, x), x @ weight.float32().T,
+                                   atol=2e-4 * np.abs(x @ w.T).max())
 
 
 def test_quantized_forms_hold_the_stored_bytes_not_float32():
