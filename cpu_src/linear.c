@@ -32,6 +32,7 @@
 // activations are laid out alike, so that a group's or a pair's block sums, their
 // scales and offsets are all lane by lane, and only a row's end sums across lanes.
 #define GROUP 8
+#define PAIR 2  // blocks of a pair
 #define PANEL 2048  // columns (a multiple of GROUP blocks; PANEL_LAYOUT)
 // Weight bytes read ahead of the group being multiplied (into L1: the rows come from
 // memory, and the hardware's prefetcher alone keeps too few of them in flight).
@@ -63,7 +64,7 @@ static void quantize_row(const float *x, int k, int kp, const int32_t *perm, int
             _mm256_storeu_si256((__m256i *)(q + j), r);
             sum = _mm256_add_epi32(sum, r);
         }
-        const int g = b < grouped ? GROUP : 2;  // (the blocks of b's group or pair)
+        const int g = b < grouped ? GROUP : PAIR;  // (the blocks of b's group or pair)
         int16_t *out = xq + (size_t)(b - b % g) * BLOCK;
         for (int j = 0; j < BLOCK; j++) out[j / 2 * 2 * g + b % g * 2 + j % 2] = (int16_t)q[j];
         sx[b] = top / 32767.0f;
@@ -118,11 +119,12 @@ static inline __m256 offsets_at(const struct scales *s, size_t i, __m256 d, cons
         m = scales_at(s->m, i, s->half, pair);
     } else {
         __m256 z = _mm256_set1_ps((float)s->zero);
-        if (s->z) {
-            uint16_t two;
-            memcpy(&two, s->z + i, 2);
-            __m128i bytes = pair ? _mm_set1_epi16((short)two) : _mm_loadl_epi64((const __m128i *)(s->z + i));
-            z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+        if (s->z && pair) {
+            uint16_t two;  // (both zero points)
+            memcpy(&two, s->z + i, sizeof(two));
+            z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set1_epi16((short)two)));
+        } else if (s->z) {
+            z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s->z + i))));
         }
         m = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), d), z);
     }
@@ -190,7 +192,7 @@ static inline __attribute__((always_inline)) void blocks_dot(const int rows, con
                                                              const float *xs, int kp, int nb, int b) {
     const int n = pair ? WIDTH / 4 : WIDTH;
     wvec w[WIDTH];
-    prefetch(q + AHEAD, (pair ? 2 : GROUP) * BLOCK * bits / 8);
+    prefetch(q + AHEAD, (pair ? PAIR : GROUP) * BLOCK * bits / 8);
     if (bits == 4) unpack_u4(w, q, n); else unpack_u8(w, q, n);
     const __m256 d = scales_at(sc->d, at, sc->half, pair), m = offsets_at(sc, at, d, pair);
     #pragma GCC unroll 8  // (each row's accumulator a register of its own)
@@ -216,7 +218,7 @@ static inline __attribute__((always_inline)) void quantized_row(const int rows, 
     int b = 0;
     for (; b < grouped; b += GROUP)
         blocks_dot(rows, bits, 0, acc, wq + b * BLOCK * bits / 8, sc, row + b, xq, sx, xs, kp, nb, b);
-    for (; b < pb; b += 2)
+    for (; b < pb; b += PAIR)
         blocks_dot(rows, bits, 1, acc, wq + b * BLOCK * bits / 8, sc, row + b, xq, sx, xs, kp, nb, b);
     for (int r = 0; r < rows; r++) y[(size_t)r * ldy] = (add ? y[(size_t)r * ldy] : 0.0f) + hsum(acc[r]);
 }

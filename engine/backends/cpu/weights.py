@@ -29,6 +29,7 @@ from engine.weights import Tensor
 
 BLOCK = 32
 GROUP = 8  # blocks in linear.c's GROUP_LAYOUT
+PAIR = 2  # blocks of a pair, after a row's last group
 PANEL = 2048  # columns of a panel in linear.c's PANEL_LAYOUT
 FLOAT_KINDS = {"f32": 0, "bf16": 1, "f16": 2, "e4m3": 3}  # as cpu_src/linear.c's enum
 E4M3_AS_F16 = 256.0  # linear.c reads an e4m3 byte as a float16 of its value / 256
@@ -157,14 +158,14 @@ def _blocks(q: np.ndarray, d: np.ndarray, bits: int, k: int, *, m: np.ndarray | 
     one z for every block)."""
     zero, z = (z, None) if isinstance(z, int) else (0, z)
     n, blocks, _ = q.shape
-    if blocks % 2:  # (the blocks after the last group go in pairs: a zero block completes the last)
+    if blocks % PAIR:  # (the blocks after the last group go in pairs: a zero block completes the last)
         q = np.concatenate([q, np.zeros((n, 1, BLOCK), np.uint8)], axis=1)
         d, m, z = (None if a is None else np.concatenate([a, np.zeros((n, 1), a.dtype)], axis=1) for a in (d, m, z))
         blocks += 1
     grouped = blocks // GROUP * GROUP
-    # linear.c's GROUP_LAYOUT: [rows, groups, weight pair j, block i, weight 2j + t], then as much by pairs
+    # linear.c's GROUP_LAYOUT: [rows, groups, weight pair j, block i, weight 2j + t], then the rest by pairs alike
     parts = [q[:, span].reshape(n, -1, g, 16, 2).transpose(0, 1, 3, 2, 4).reshape(n, -1, g * BLOCK)
-             for span, g in ((slice(0, grouped), GROUP), (slice(grouped, None), 2))]
+             for span, g in ((slice(0, grouped), GROUP), (slice(grouped, None), PAIR))]
     if bits == 4:  # byte t: element t of a group or pair in its low nibble, element t of its second half in the high
         parts = [part[..., : part.shape[-1] // 2] | (part[..., part.shape[-1] // 2 :] << 4) for part in parts]
     codes = np.concatenate([part.reshape(n, -1) for part in parts], axis=1)
