@@ -1,7 +1,7 @@
 """CPU decode throughput: llamastream's CPU backends beside llama.cpp and Hugging Face
 transformers, on the same GGUF files, the same prompts and the same cores, in one run:
 
-    python bench/cpu_decode.py [--backends numpy,cpu] [--new-tokens 128] [--repeats 3]
+    python bench/cpu_decode.py [--backends numpy,cpu,cpu-int8] [--new-tokens 128] [--repeats 3]
                                [--llama-cpp-python .venv-bench/bin/python]
 
 (`make bench-cpu` builds llama-cpp-python into .venv-bench and runs this with it.) The
@@ -16,7 +16,8 @@ load averages printed before and after say how busy they were). Each engine runs
 process of its own, one at a time, so that no engine's threads or memory outlive its
 figure, each on --threads threads (default: the cores this process may use; numpy's own
 BLAS takes them all): llamastream's with each backend --backends names
-(engine.backends.create_backend, in a fork of this process, which holds the model),
+(engine.backends.create_backend's, and cpu-int8: cpu with --cpu-activations int8; in a
+fork of this process, which holds the model),
 llama.cpp's (bench/llama_cpp_decode.py), transformers' in float32, dequantizing the GGUF,
 where torch is installed (a fork too). A column an engine cannot fill says why.
 
@@ -131,7 +132,9 @@ def ours(model: LoadedModel, backend_name: str, prompts: list[list[int]], new_to
     """Tokens/s of llamastream's engine on `backend_name`, greedy, and the backend's class
     (what the name means today); `threads` is the cpu backend's. The prefix cache is off: the warm-up's prompts would
     otherwise spare the timed run's prefill."""
-    backend = create_backend(backend_name, model.config, model.model_weights(), threads=threads)
+    device, _, activations = backend_name.partition("-")  # (cpu-int8: the cpu backend with int8 activations)
+    backend = create_backend(device, model.config, model.model_weights(), threads=threads,
+                             cpu_activations=activations or "int16")
     blocks = len(prompts) * (-(-(max(map(len, prompts)) + new_tokens) // 16) + 1)  # (16: the block size)
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=blocks, max_num_seqs=len(prompts),
                                                     max_model_len=blocks * 16, enable_prefix_caching=False))
@@ -263,7 +266,8 @@ def prompts_for(model: LoadedModel) -> list[list[int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backends", default="numpy,cpu", help="llamastream's backends, by create_backend's names")
+    ap.add_argument("--backends", default="numpy,cpu,cpu-int8",
+                    help="llamastream's backends, by create_backend's names; cpu-int8: cpu with --cpu-activations int8")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each figure, the best taken")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="every engine's")

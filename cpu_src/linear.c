@@ -7,18 +7,22 @@
 //   float: float32, bfloat16, float16 or FP8 e4m3 values times a scale per group of
 //          columns, multiplied in float32 as the numpy reference does.
 //
-// u4 and u8 multiply integers: the activations are first quantized to int16 in blocks
-// of 32, each with its scale sx = max|x| / 32767, so that a block's 32 products are
-// integer multiply-adds (VNNI's vpdpwssd, or vpmaddwd) and
+// u4 and u8 multiply integers: the activations are first quantized in blocks of 32, each
+// with its scale sx = max|x| / L, so that a block's 32 products are integer
+// multiply-adds and
 //     sum_k w[k] x[k] = sum_blocks sx (d dot(q, xq) + m sum(xq)),
-// accumulated in float32. int16 keeps a product within about 1e-5 of float32's (int8,
-// llama.cpp's choice, errs by a logit on small models, enough to flip greedy choices).
+// accumulated in float32. Two precisions (`act`, the bytes an activation takes):
+//   int16 (act 2, L = 32767, the default): vpdpwssd; a product within about 1e-5 of
+//     float32's.
+//   int8 (act 1, L = 127): llama.cpp's; vpdpbusd does twice vpdpwssd's multiply-adds an
+//     instruction (products of 8 rows 1.3-1.5x as fast). It moves SmolLM2's logits by
+//     ~4e-2 (relative L2) and its perplexity by ~0.5%, turning near ties as llama.cpp does.
 // Rows of w are shared out among the threads (pool.c); each is read once for all of x's rows.
 //
 // PANEL_LAYOUT: a matrix of more than PANEL columns is stored as panels of PANEL columns
 // (the last one what is left), each panel [N, its columns] with its scales [N, its
 // blocks], one after the other. A thread multiplies its rows panel by panel, so that
-// the activations a panel meets (PANEL int16 a row) stay in L1 while the weights stream
+// the activations a panel meets (PANEL of them a row) stay in L1 while the weights stream
 // past: a whole row of 8,192 columns (16 KB of int16) is evicted by them, and reading
 // it from L2 slowed such products by a fifth.
 #include "common.h"
@@ -26,11 +30,12 @@
 #define TILE 8  // rows of x a weight row meets while it is in registers
 // GROUP_LAYOUT: a row's blocks go by groups of 8, and those left over after the last
 // group by pairs (rows have an even number of blocks: the repacking pads them). In a
-// group of g blocks, weights j and j + 1 of block i are elements 2 g (j / 2) + 2 i and
-// the next, so that a multiply-add of adjacent int16 (dot_i16) sums each block in its
-// own 32-bit lanes with no shuffling: lane l holds block l % g's products. The
-// activations are laid out alike, so that a group's or a pair's block sums, their
-// scales and offsets are all lane by lane, and only a row's end sums across lanes.
+// group of g blocks, with E = 4 / act activations to a 32-bit lane (a multiply-add of
+// adjacent int16 sums 2 products into a lane, one of bytes 4), weights j to j + E - 1 of
+// block i are elements E g (j / E) + E i on, so that one multiply-add sums each block in
+// its own lanes with no shuffling: lane l holds block l % g's products. The activations
+// are laid out alike, so that a group's or a pair's block sums, their scales and offsets
+// are all lane by lane, and only a row's end sums across lanes.
 #define GROUP 8
 #define PAIR 2  // blocks of a pair
 #define PANEL 2048  // columns (a multiple of GROUP blocks; PANEL_LAYOUT)
@@ -42,10 +47,12 @@
 #define PARALLEL_MACS (1 << 16)
 
 // xq, sx and xs (= sx * sum(xq) per block) of one row x[:k] (columns perm[c] where
-// perm is given: act-order checkpoints), zero-padded to kp columns; xq in GROUP_LAYOUT,
-// as the weights are.
-static void quantize_row(const float *x, int k, int kp, const int32_t *perm, int16_t *xq, float *sx, float *xs) {
-    const int nb = kp / BLOCK, grouped = nb / GROUP * GROUP;
+// perm is given: act-order checkpoints), zero-padded to kp columns; xq int8 (act 1) or
+// int16 (act 2) in GROUP_LAYOUT, as the weights are.
+static inline __attribute__((always_inline)) void quantize_row(const float *x, int k, int kp, const int32_t *perm,
+                                                               const int act, void *xq, float *sx, float *xs) {
+    const int nb = kp / BLOCK, grouped = nb / GROUP * GROUP, lane = 4 / act;
+    const float levels = act == 1 ? 127.0f : 32767.0f;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < nb; b++) {
         float v[BLOCK];
@@ -56,7 +63,7 @@ static void quantize_row(const float *x, int k, int kp, const int32_t *perm, int
         __m256 amax = _mm256_setzero_ps();
         for (int j = 0; j < BLOCK; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
         const float top = hmax(amax);
-        const __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+        const __m256 inv = _mm256_set1_ps(top > 0.0f ? levels / top : 0.0f);
         int32_t q[BLOCK];
         __m256i sum = _mm256_setzero_si256();
         for (int j = 0; j < BLOCK; j += 8) {  // (to nearest, ties to even, as lrintf)
@@ -65,10 +72,13 @@ static void quantize_row(const float *x, int k, int kp, const int32_t *perm, int
             sum = _mm256_add_epi32(sum, r);
         }
         const int g = b < grouped ? GROUP : PAIR;  // (the blocks of b's group or pair)
-        int16_t *out = xq + (size_t)(b - b % g) * BLOCK;
-        for (int j = 0; j < BLOCK; j++) out[j / 2 * 2 * g + b % g * 2 + j % 2] = (int16_t)q[j];
-        sx[b] = top / 32767.0f;
-        xs[b] = top / 32767.0f * (float)hsum(_mm256_cvtepi32_ps(sum));
+        const size_t first = (size_t)(b - b % g) * BLOCK;
+        for (int j = 0; j < BLOCK; j++) {
+            const size_t at = first + j / lane * lane * g + b % g * lane + j % lane;
+            if (act == 1) ((int8_t *)xq)[at] = (int8_t)q[j]; else ((int16_t *)xq)[at] = (int16_t)q[j];
+        }
+        sx[b] = top / levels;
+        xs[b] = top / levels * (float)hsum(_mm256_cvtepi32_ps(sum));
     }
 }
 
@@ -131,17 +141,17 @@ static inline __m256 offsets_at(const struct scales *s, size_t i, __m256 d, cons
     return pair ? _mm256_blend_ps(_mm256_setzero_ps(), m, 0x03) : m;
 }
 
-// A group's 16 vectors of weights as int16, held as WIDTH registers of `wvec` (a pair's
-// 4 as WIDTH / 4): with AVX-512, each zmm register holds two consecutive vectors (j and
-// j + 1), so that one vpdpwssd does 32 multiply-adds of pairs; elsewhere a ymm register
-// holds one. Either way register i meets the activations at x + i * WSTEP.
+// A group's or a pair's weights, widened to the activations' width (`act` bytes: u4
+// nibbles to bytes or int16, u8 bytes to int16 where act is 2), in `n` registers of
+// `wvec`, register i meeting the activations at byte REG * i of theirs. With AVX-512
+// VNNI a register is a zmm; elsewhere a ymm.
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 typedef __m512i wvec;
-#define WIDTH 8
-#define WSTEP 32
-// u4: byte t of a group's (or pair's) codes holds its element t in the low nibble and
-// element t + 128 (a pair: t + 32) in the high one
-static inline void unpack_u4(wvec *w, const uint8_t *q, const int n) {
+#define REG 64
+static inline __m512i load_reg(const void *p) { return _mm512_loadu_si512(p); }
+// u4, act 2: byte t of a group's (or pair's) codes holds its element t in the low nibble
+// and element t + 128 (a pair: t + 32) in the high one
+static inline void unpack_u4_words(wvec *w, const uint8_t *q, const int n) {
     const __m512i nibble = _mm512_set1_epi16(0x0F);
     for (int c = 0; c < n / 2; c++) {
         __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * c)));
@@ -149,22 +159,39 @@ static inline void unpack_u4(wvec *w, const uint8_t *q, const int n) {
         w[c + n / 2] = _mm512_srli_epi16(v, 4);
     }
 }
-static inline void unpack_u8(wvec *w, const uint8_t *q, const int n) {
+static inline void unpack_u8_words(wvec *w, const uint8_t *q, const int n) {
     for (int i = 0; i < n; i++) w[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * i)));
 }
-// the lane sums of n registers of weights against x (in GROUP_LAYOUT)
-static inline __attribute__((always_inline)) __m256i lane_sums(const wvec *w, const int n, const int16_t *x) {
-    __m512i p[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                    _mm512_setzero_si512()};  // (four chains of adds)
-    for (int i = 0; i < n; i++) p[i % 4] = _mm512_dpwssd_epi32(p[i % 4], w[i], _mm512_loadu_si512(x + WSTEP * i));
-    __m512i s = _mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3]));
-    return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));  // vector j's + j + 1's
+static inline void unpack_u4_bytes(wvec *w, const uint8_t *q, const int n) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    if (n == 1) {  // (a pair: 32 bytes, its first 32 elements low and the rest high)
+        const __m256i v = _mm256_loadu_si256((const __m256i *)q), low = _mm256_set1_epi8(0x0F);
+        w[0] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
+                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
+        return;
+    }
+    for (int c = 0; c < n / 2; c++) {
+        const __m512i v = _mm512_loadu_si512(q + REG * c);
+        w[c] = _mm512_and_si512(v, nibble);
+        w[c + n / 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    }
 }
+// acc + the 32-bit lane sums of multiply-adds of adjacent int16 (act 2) or bytes (act 1)
+static inline __m512i dot_reg(__m512i acc, __m512i w, __m512i x, const int act, const int bits) {
+    (void)bits;
+    return act == 1 ? _mm512_dpbusd_epi32(acc, w, x) : _mm512_dpwssd_epi32(acc, w, x);
+}
+// a zmm's lanes l and l + 8 (the same block's) added
+static inline __m256i fold_lanes(__m512i s) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+}
+#define ZERO_REG _mm512_setzero_si512
+#define ADD_REG _mm512_add_epi32
 #else
 typedef __m256i wvec;
-#define WIDTH 16
-#define WSTEP 16
-static inline void unpack_u4(wvec *w, const uint8_t *q, const int n) {
+#define REG 32
+static inline __m256i load_reg(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void unpack_u4_words(wvec *w, const uint8_t *q, const int n) {
     const __m256i nibble = _mm256_set1_epi16(0x0F);
     for (int c = 0; c < n / 2; c++) {
         __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * c)));
@@ -172,54 +199,83 @@ static inline void unpack_u4(wvec *w, const uint8_t *q, const int n) {
         w[c + n / 2] = _mm256_srli_epi16(v, 4);
     }
 }
-static inline void unpack_u8(wvec *w, const uint8_t *q, const int n) {
+static inline void unpack_u8_words(wvec *w, const uint8_t *q, const int n) {
     for (int j = 0; j < n; j++) w[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * j)));
 }
-static inline __attribute__((always_inline)) __m256i lane_sums(const wvec *w, const int n, const int16_t *x) {
-    __m256i p[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                    _mm256_setzero_si256()};  // (four chains of adds)
-    for (int j = 0; j < n; j++) p[j % 4] = dot_i16(p[j % 4], w[j], _mm256_loadu_si256((const __m256i *)(x + WSTEP * j)));
-    return _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
+static inline void unpack_u4_bytes(wvec *w, const uint8_t *q, const int n) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < n / 2; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + REG * c));
+        w[c] = _mm256_and_si256(v, nibble);
+        w[c + n / 2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    }
 }
+static inline __m256i dot_reg(__m256i acc, __m256i w, __m256i x, const int act, const int bits) {
+    return act == 1 ? dot_u8_i8(acc, w, x, bits) : dot_i16(acc, w, x);
+}
+static inline __m256i fold_lanes(__m256i s) { return s; }
+#define ZERO_REG _mm256_setzero_si256
+#define ADD_REG _mm256_add_epi32
 #endif
+static inline void unpack_u8_bytes(wvec *w, const uint8_t *q, const int n) {
+    for (int i = 0; i < n; i++) w[i] = load_reg(q + REG * i);
+}
+
+// The lane sums of n registers of weights against x (in GROUP_LAYOUT), 8 lanes.
+static inline __attribute__((always_inline)) __m256i lane_sums(const wvec *w, const int n, const char *x,
+                                                               const int act, const int bits) {
+    if (act == 1) {  // (one chain: rows overlap theirs, and for a group's 4 zmm 4 chains' adds cost more)
+        wvec p = ZERO_REG();
+        for (int i = 0; i < n; i++) p = dot_reg(p, w[i], load_reg(x + REG * i), act, bits);
+        return fold_lanes(p);
+    }
+    wvec p[4] = {ZERO_REG(), ZERO_REG(), ZERO_REG(), ZERO_REG()};  // (four chains of adds)
+    for (int i = 0; i < n; i++) p[i % 4] = dot_reg(p[i % 4], w[i], load_reg(x + REG * i), act, bits);
+    return fold_lanes(ADD_REG(ADD_REG(p[0], p[1]), ADD_REG(p[2], p[3])));
+}
 
 // acc[r] + the products of a group of 8 blocks (pair 0) or of a pair (pair 1) of one
 // weight row (codes q, scales from sc's `at`) with rows r of x from its block b on:
 // lane by lane, scaled by d sx and offset by m xs there.
-static inline __attribute__((always_inline)) void blocks_dot(const int rows, const int bits, const int pair,
-                                                             __m256 *acc, const uint8_t *q, const struct scales *sc,
-                                                             size_t at, const int16_t *xq, const float *sx,
-                                                             const float *xs, int kp, int nb, int b) {
-    const int n = pair ? WIDTH / 4 : WIDTH;
-    wvec w[WIDTH];
+static inline __attribute__((always_inline)) void blocks_dot(const int rows, const int bits, const int act,
+                                                             const int pair, __m256 *acc, const uint8_t *q,
+                                                             const struct scales *sc, size_t at, const char *xq,
+                                                             const float *sx, const float *xs, int kp, int nb, int b) {
+    const int n = (pair ? PAIR : GROUP) * BLOCK * act / REG;
+    wvec w[GROUP * BLOCK * 2 / REG];
     prefetch(q + AHEAD, (pair ? PAIR : GROUP) * BLOCK * bits / 8);
-    if (bits == 4) unpack_u4(w, q, n); else unpack_u8(w, q, n);
+    if (act == 1 && bits == 4) unpack_u4_bytes(w, q, n);
+    else if (act == 1) unpack_u8_bytes(w, q, n);
+    else if (bits == 4) unpack_u4_words(w, q, n);
+    else unpack_u8_words(w, q, n);
     const __m256 d = scales_at(sc->d, at, sc->half, pair), m = offsets_at(sc, at, d, pair);
     #pragma GCC unroll 8  // (each row's accumulator a register of its own)
     for (int r = 0; r < rows; r++) {
         const size_t i = (size_t)r * nb + b;
-        const __m256 sums = _mm256_cvtepi32_ps(lane_sums(w, n, xq + (size_t)r * kp + b * BLOCK));
+        const __m256 sums = _mm256_cvtepi32_ps(lane_sums(w, n, xq + ((size_t)r * kp + b * BLOCK) * act, act, bits));
         acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, floats_at(sx + i, pair)), acc[r]);
         acc[r] = _mm256_fmadd_ps(m, floats_at(xs + i, pair), acc[r]);
     }
 }
 
 // One weight row of u4 or u8 (`bits`) against the columns of a panel: y[r * ldy] (+)=
-// w . x[r] for `rows` (<= TILE) quantized rows of x, x[r] at xq + r * kp (sx and xs at r
-// * nb), the panel `pk` columns, added to y where `add`. One accumulator a row of x
-// (with 8 rows, two would not fit in the registers), its lanes summed at the end.
-static inline __attribute__((always_inline)) void quantized_row(const int rows, const int bits, float *y, int ldy,
-                                                                int add, const int16_t *xq, const float *sx,
-                                                                const float *xs, int kp, int nb, int pk,
-                                                                const uint8_t *wq, const struct scales *sc, size_t row) {
+// w . x[r] for `rows` (<= TILE) quantized rows of x (`act` bytes each), x[r] at xq + r *
+// kp (sx and xs at r * nb), the panel `pk` columns, added to y where `add`. One
+// accumulator a row of x (with 8 rows, two would not fit in the registers), its lanes
+// summed at the end.
+static inline __attribute__((always_inline)) void quantized_row(const int rows, const int bits, const int act,
+                                                                float *y, int ldy, int add, const char *xq,
+                                                                const float *sx, const float *xs, int kp, int nb,
+                                                                int pk, const uint8_t *wq, const struct scales *sc,
+                                                                size_t row) {
     const int pb = pk / BLOCK, grouped = pb / GROUP * GROUP;
     __m256 acc[TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     int b = 0;
     for (; b < grouped; b += GROUP)
-        blocks_dot(rows, bits, 0, acc, wq + b * BLOCK * bits / 8, sc, row + b, xq, sx, xs, kp, nb, b);
+        blocks_dot(rows, bits, act, 0, acc, wq + b * BLOCK * bits / 8, sc, row + b, xq, sx, xs, kp, nb, b);
     for (; b < pb; b += PAIR)
-        blocks_dot(rows, bits, 1, acc, wq + b * BLOCK * bits / 8, sc, row + b, xq, sx, xs, kp, nb, b);
+        blocks_dot(rows, bits, act, 1, acc, wq + b * BLOCK * bits / 8, sc, row + b, xq, sx, xs, kp, nb, b);
     for (int r = 0; r < rows; r++) y[(size_t)r * ldy] = (add ? y[(size_t)r * ldy] : 0.0f) + hsum(acc[r]);
 }
 
@@ -238,8 +294,8 @@ static inline __attribute__((always_inline)) void quantized_row(const int rows, 
 
 struct linear_q_args {
     float *y;
-    int ldy, m, kp, n, bits;
-    const int16_t *xq;
+    int ldy, m, kp, n, bits, act;
+    const char *xq;
     const float *sx, *xs;
     const uint8_t *codes;
     struct scales scales;
@@ -265,16 +321,20 @@ static void linear_q_rows(void *ctx, int begin, int end) {
             const size_t panel_bytes = (size_t)pk * a->bits / 8;
             const uint8_t *codes = a->codes + (size_t)a->n * c0 * a->bits / 8;
             const struct scales sc = panel_scales(&a->scales, (size_t)a->n * (c0 / BLOCK));
-            const int16_t *xr = a->xq + (size_t)r * kp + c0;
+            const char *xr = a->xq + ((size_t)r * kp + c0) * a->act;
             const float *sr = a->sx + (size_t)r * nb + c0 / BLOCK, *xsr = a->xs + (size_t)r * nb + c0 / BLOCK;
             for (int o = begin; o < end; o++) {
                 const uint8_t *wq = codes + o * panel_bytes;
                 const size_t row = (size_t)o * (pk / BLOCK);
                 float *yr = a->y + (size_t)r * ldy + o;
-                if (a->bits == 4) {
-                    FOR_TILE(quantized_row, rows, 4, yr, ldy, add, xr, sr, xsr, kp, nb, pk, wq, &sc, row)
+                if (a->bits == 4 && a->act == 1) {
+                    FOR_TILE(quantized_row, rows, 4, 1, yr, ldy, add, xr, sr, xsr, kp, nb, pk, wq, &sc, row)
+                } else if (a->bits == 4) {
+                    FOR_TILE(quantized_row, rows, 4, 2, yr, ldy, add, xr, sr, xsr, kp, nb, pk, wq, &sc, row)
+                } else if (a->act == 1) {
+                    FOR_TILE(quantized_row, rows, 8, 1, yr, ldy, add, xr, sr, xsr, kp, nb, pk, wq, &sc, row)
                 } else {
-                    FOR_TILE(quantized_row, rows, 8, yr, ldy, add, xr, sr, xsr, kp, nb, pk, wq, &sc, row)
+                    FOR_TILE(quantized_row, rows, 8, 2, yr, ldy, add, xr, sr, xsr, kp, nb, pk, wq, &sc, row)
                 }
             }
         }
@@ -283,15 +343,19 @@ static void linear_q_rows(void *ctx, int begin, int end) {
 
 // y[M, N] (row stride ldy) = x[M, k] (row stride ldx) @ w^T, w in u4 (bits 4) or u8
 // (bits 8) over kp columns in PANEL_LAYOUT with its block scales (struct scales: d, m or
-// z or zero, half):
-// x quantized first into xq [M, kp], sx and xs [M, kp / 32].
-void linear_q(float *y, int ldy, const float *x, int ldx, int m, int k, const int32_t *perm, int16_t *xq, float *sx,
+// z or zero, half), laid out for activations of `act` bytes: x quantized first into xq
+// [M, kp] of them, sx and xs [M, kp / 32].
+void linear_q(float *y, int ldy, const float *x, int ldx, int m, int k, const int32_t *perm, void *xq, float *sx,
               float *xs, int kp, const uint8_t *codes, const void *d, const void *mins, const uint8_t *zeros, int zero,
-              int half, int n, int bits) {
+              int half, int n, int bits, int act) {
     const int nb = kp / BLOCK;
-    for (int r = 0; r < m; r++)
-        quantize_row(x + (size_t)r * ldx, k, kp, perm, xq + (size_t)r * kp, sx + (size_t)r * nb, xs + (size_t)r * nb);
-    struct linear_q_args a = {y, ldy, m, kp, n, bits, xq, sx, xs, codes, {d, mins, zeros, half, zero}};
+    for (int r = 0; r < m; r++) {
+        const float *row = x + (size_t)r * ldx;
+        char *out = (char *)xq + (size_t)r * kp * act;
+        if (act == 1) quantize_row(row, k, kp, perm, 1, out, sx + (size_t)r * nb, xs + (size_t)r * nb);
+        else quantize_row(row, k, kp, perm, 2, out, sx + (size_t)r * nb, xs + (size_t)r * nb);
+    }
+    struct linear_q_args a = {y, ldy, m, kp, n, bits, act, xq, sx, xs, codes, {d, mins, zeros, half, zero}};
     parallel_for(n, chunk_rows(n, (size_t)m * n * kp), linear_q_rows, &a);
 }
 
@@ -385,11 +449,11 @@ void linear_float(float *y, int ldy, const float *x, int ldx, int m, int k, cons
 
 // linear_q and linear_float with their arguments in one array, in order (pointers and
 // ints alike as int64): a step makes the same call every layer, so the caller packs
-// them once rather than converting 18 arguments at each call.
+// them once rather than converting 20 arguments at each call.
 void linear_q_packed(const int64_t *a) {
     linear_q((float *)a[0], (int)a[1], (const float *)a[2], (int)a[3], (int)a[4], (int)a[5], (const int32_t *)a[6],
-             (int16_t *)a[7], (float *)a[8], (float *)a[9], (int)a[10], (const uint8_t *)a[11], (const void *)a[12],
-             (const void *)a[13], (const uint8_t *)a[14], (int)a[15], (int)a[16], (int)a[17], (int)a[18]);
+             (void *)a[7], (float *)a[8], (float *)a[9], (int)a[10], (const uint8_t *)a[11], (const void *)a[12],
+             (const void *)a[13], (const uint8_t *)a[14], (int)a[15], (int)a[16], (int)a[17], (int)a[18], (int)a[19]);
 }
 
 void linear_float_packed(const int64_t *a) {

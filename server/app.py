@@ -60,6 +60,7 @@ class ServerConfig:
     port: int = 50051
     device: str = "auto"
     threads: int | None = None  # CPU backend: default, the cores the process may use
+    cpu_activations: str = "int16"  # CPU backend: what its integer products quantize activations to
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0  # CPU backends
@@ -122,7 +123,7 @@ def build_engine(cfg: ServerConfig) -> LLMEngine:
     model = load_model(cfg.model, LoadingProgress(), cfg.quantization, cfg.quantize_lm_head)
     backend = create_backend(cfg.device, model.config, model.model_weights(), cuda_graphs=not cfg.enforce_eager,
                              batch_invariant=cfg.batch_invariant, kv_cache_dtype=cfg.kv_cache_dtype,
-                             threads=cfg.threads)
+                             threads=cfg.threads, cpu_activations=cfg.cpu_activations)
     engine = LLMEngine(model, backend, EngineConfig(
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks or _kv_cache_blocks(cfg, backend),

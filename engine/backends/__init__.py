@@ -41,10 +41,12 @@ def cuda_unavailable_reason() -> str | None:
 
 
 def create_backend(device: str, config: ModelConfig, weights: ModelWeights, cuda_graphs: bool = True,
-                   batch_invariant: bool = False, kv_cache_dtype: str = "auto", threads: int | None = None) -> Backend:
+                   batch_invariant: bool = False, kv_cache_dtype: str = "auto", threads: int | None = None,
+                   cpu_activations: str = "int16") -> Backend:
     """The backend for --device auto|cpu|numpy|cuda. auto takes cuda when it can run,
     else cpu, else (no C compiler) numpy, saying why. The CPU backends are
-    batch-invariant whatever `batch_invariant` says; `threads` is the CPU backend's."""
+    batch-invariant whatever `batch_invariant` says; `threads` and `cpu_activations` (what
+    its integer products quantize activations to) are the CPU backend's."""
     if device not in DEVICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {device!r}")
     if device in ("auto", "cuda"):
@@ -60,11 +62,11 @@ def create_backend(device: str, config: ModelConfig, weights: ModelWeights, cuda
         from engine.backends.cpu.kernels import CompilerMissing
 
         try:
-            return _cpu_backend(config, weights, threads, kv_cache_dtype, f"device auto: {reason}, so")
+            return _cpu_backend(config, weights, threads, kv_cache_dtype, cpu_activations, f"device auto: {reason}, so")
         except CompilerMissing as e:
             log.warning("device auto: using the numpy backend (%s; and %s)", reason, e)
     if device == "cpu":
-        return _cpu_backend(config, weights, threads, kv_cache_dtype, "device cpu:")
+        return _cpu_backend(config, weights, threads, kv_cache_dtype, cpu_activations, "device cpu:")
     from engine.backends.numpy_backend import NumpyBackend
 
     log.info("device %s: using the numpy backend (float32, the reference)", device)
@@ -72,9 +74,10 @@ def create_backend(device: str, config: ModelConfig, weights: ModelWeights, cuda
 
 
 def _cpu_backend(config: ModelConfig, weights: ModelWeights, threads: int | None, kv_cache_dtype: str,
-                 why: str) -> Backend:
+                 activations: str, why: str) -> Backend:
     from engine.backends.cpu.backend import CpuBackend, available_cores
 
     threads = threads or available_cores()
-    log.info("%s using the CPU backend on %d threads", why, threads)
-    return CpuBackend(config, weights, threads=threads, kv_cache_dtype=kv_cache_dtype)
+    log.info("%s using the CPU backend on %d threads (integer products with %s activations)", why, threads,
+             activations)
+    return CpuBackend(config, weights, threads=threads, kv_cache_dtype=kv_cache_dtype, activations=activations)

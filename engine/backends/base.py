@@ -22,6 +22,7 @@ SampleLater = Callable[[np.ndarray | FillingMasks | None], Wait]
 MAX_STEPS_IN_FLIGHT = 2
 # --kv-cache-dtype: the backend's own (auto: float32 on numpy, bfloat16 on CUDA) or FP8 e4m3
 KV_CACHE_DTYPES = ("auto", "fp8")
+CPU_ACTIVATIONS = ("int8", "int16")  # what the CPU backend's products of quantized weights quantize activations to
 
 
 def is_fp8_kv_cache(kv_cache_dtype: str) -> bool:

@@ -18,6 +18,7 @@ from gguf import dequantize
 
 from engine.backends.cpu.kernels import CpuKernels, addr
 from engine.backends.cpu.weights import CpuLinear, PackedCall, QuantizedRows, repack
+from engine.backends.base import CPU_ACTIVATIONS
 from engine.backends.numpy_backend import NumpyBackend, _StepOps, head_rms_norm
 from engine.config import ModelConfig
 from engine.quantization.gguf import GgufWeight
@@ -160,20 +161,23 @@ class CpuBackend(NumpyBackend):
     name = "cpu"
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, threads: int | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", activations: str = "int16"):
         if config.hidden_size % 8 or config.head_dim % 8:
             raise ValueError(f"the CPU kernels need the hidden size and head dimension to be multiples of 8 (this "
                              f"model's are {config.hidden_size} and {config.head_dim}): use --device numpy")
+        if activations not in CPU_ACTIVATIONS:
+            raise ValueError(f"--cpu-activations must be one of {', '.join(CPU_ACTIVATIONS)}, not {activations!r}")
         self.kernels = CpuKernels(threads or available_cores())
+        self.activations = activations
         self.kv_pointers: list[tuple[int, int]] = []
         self._scratch: _Scratch | None = None
         super().__init__(config, weights, kv_cache_dtype)
 
     def _hold_weights(self, weights: ModelWeights) -> None:
         self.embed = row_readable(weights.embed)  # (rows dequantized as a step reads them)
-        self.lm_head = repack(weights.lm_head)
+        self.lm_head = repack(weights.lm_head, self.activations)
         self.final_norm = weights.final_norm.float32()
-        self.layers = [{name: repack(t) if len(t.shape) == 2 else Buffer(t.float32()) for name, t in layer.items()}
+        self.layers = [{name: repack(t, self.activations) if len(t.shape) == 2 else Buffer(t.float32()) for name, t in layer.items()}
                        for layer in weights.layers]
         linears = [self.lm_head] + [w for layer in self.layers for w in layer.values() if isinstance(w, CpuLinear)]
         norms = [self.final_norm] + [w.array for layer in self.layers for w in layer.values() if isinstance(w, Buffer)]

@@ -9,8 +9,9 @@ load from every format a checkpoint holds, never widened to float32:
 - float: bfloat16, float16 and float32 as they are; FP8 e4m3 with its scales (per
   tensor, row or 128-column block) as a scale per row and group of columns.
 
-The products of u4 and u8 quantize the activations to int16 in blocks of 32 first (the
-kernels' comment says how); float ones multiply in float32 like the numpy reference.
+The products of u4 and u8 quantize the activations in blocks of 32 first, to int8 or
+int16 (ACTIVATION_BYTES; the kernels' comment says how), and their codes are laid out for
+one or the other; float ones multiply in float32 like the numpy reference.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ PAIR = 2  # blocks of a pair, after a row's last group
 PANEL = 2048  # columns of a panel in linear.c's PANEL_LAYOUT
 FLOAT_KINDS = {"f32": 0, "bf16": 1, "f16": 2, "e4m3": 3}  # as cpu_src/linear.c's enum
 E4M3_AS_F16 = 256.0  # linear.c reads an e4m3 byte as a float16 of its value / 256
+ACTIVATION_BYTES = {"int8": 1, "int16": 2}  # of each of base.CPU_ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class CpuLinear:
     point `zero`; d and m float16 where that is exact (the checkpoint's own scales, as
     few bytes as it stores), else float32; codes and scales by panels of PANEL columns.
     float: codes in `kind`, and `scale` per row and group of `group` columns (or None).
-    `perm`: the input column each of kp reads, where a checkpoint reordered them."""
+    `perm`: the input column each of kp reads, where a checkpoint reordered them.
+    `act`: the bytes of an activation (ACTIVATION_BYTES) that u4 and u8 codes are laid out for."""
 
     form: str  # "u4", "u8" or "float"
     codes: np.ndarray
@@ -58,6 +61,7 @@ class CpuLinear:
     scale: np.ndarray | None = None
     group: int = 0
     perm: np.ndarray | None = None
+    act: int = 2
     pointers: tuple = field(init=False, repr=False, compare=False)  # the arrays' addresses, as multiply reads them
 
     @property
@@ -86,7 +90,7 @@ class CpuLinear:
         else:
             fn = kernels.linear_q_packed
             args = (y, self.n, x, ldx, rows, self.k, perm, scratch.xq, scratch.sx, scratch.xs, self.kp, codes, d, m, z,
-                    self.zero, self.d.dtype == np.float16, self.n, 4 if self.form == "u4" else 8)
+                    self.zero, self.d.dtype == np.float16, self.n, 4 if self.form == "u4" else 8, self.act)
         return PackedCall(fn, args)
 
     def __call__(self, kernels: CpuKernels, x: np.ndarray) -> np.ndarray:
@@ -113,9 +117,9 @@ class PackedCall:
 
 
 class QuantizedRows:
-    """Room for `rows` activation rows of up to `columns` quantized (linear.c's linear_q).
-    The rows start on cache lines: the products read them 64 bytes at a time, and where
-    such reads straddle two lines a batch of 8 multiplies ~15% slower."""
+    """Room for `rows` activation rows of up to `columns` quantized (linear.c's linear_q),
+    int8 or int16. The rows start on cache lines: the products read them 64 bytes at a
+    time, and where such reads straddle two lines a batch of 8 multiplies ~15% slower."""
 
     def __init__(self, rows: int, columns: int):
         self.arrays = (line_aligned(rows * columns, np.int16), np.empty(rows * columns // BLOCK, np.float32),
@@ -131,12 +135,13 @@ def line_aligned(n: int, dtype) -> np.ndarray:
     return raw[start : start + n * itemsize].view(dtype)
 
 
-def repack(weight) -> CpuLinear:
-    """A checkpoint's linear weight (a Tensor or a QuantizedWeight) in a kernel's form."""
+def repack(weight, activations: str = "int16") -> CpuLinear:
+    """A checkpoint's linear weight (a Tensor or a QuantizedWeight) in a kernel's form, its
+    integer products quantizing the activations to `activations` (base.CPU_ACTIVATIONS)."""
     if isinstance(weight, GgufWeight):
-        return _from_gguf(weight)
+        return _from_gguf(weight, ACTIVATION_BYTES[activations])
     if isinstance(weight, Int4Weight):
-        return _from_int4(weight)
+        return _from_int4(weight, ACTIVATION_BYTES[activations])
     if isinstance(weight, Fp8Weight):
         return _from_fp8(weight)
     if isinstance(weight, Tensor) and weight.format in ("f32", "bf16") and weight.shape[1] % 8 == 0:
@@ -152,10 +157,10 @@ def _float(codes: np.ndarray, kind: str, scale: np.ndarray | None = None, group:
     return CpuLinear("float", np.ascontiguousarray(codes), n, k, k, kind=kind, scale=scale, group=group or k)
 
 
-def _blocks(q: np.ndarray, d: np.ndarray, bits: int, k: int, *, m: np.ndarray | None = None,
+def _blocks(q: np.ndarray, d: np.ndarray, bits: int, k: int, act: int, *, m: np.ndarray | None = None,
             z: np.ndarray | int | None = None, perm: np.ndarray | None = None) -> CpuLinear:
     """u4 or u8 from q [n, blocks, 32] (0..15 or 0..255), d and m or z [n, blocks] (or
-    one z for every block)."""
+    one z for every block), laid out for activations of `act` bytes."""
     zero, z = (z, None) if isinstance(z, int) else (0, z)
     n, blocks, _ = q.shape
     if blocks % PAIR:  # (the blocks after the last group go in pairs: a zero block completes the last)
@@ -163,8 +168,10 @@ def _blocks(q: np.ndarray, d: np.ndarray, bits: int, k: int, *, m: np.ndarray | 
         d, m, z = (None if a is None else np.concatenate([a, np.zeros((n, 1), a.dtype)], axis=1) for a in (d, m, z))
         blocks += 1
     grouped = blocks // GROUP * GROUP
-    # linear.c's GROUP_LAYOUT: [rows, groups, weight pair j, block i, weight 2j + t], then the rest by pairs alike
-    parts = [q[:, span].reshape(n, -1, g, 16, 2).transpose(0, 1, 3, 2, 4).reshape(n, -1, g * BLOCK)
+    # linear.c's GROUP_LAYOUT, E = 4 / act weights a lane: [rows, groups, j, block i, weight E j + t], then the
+    # rest by pairs alike
+    lane = 4 // act
+    parts = [q[:, span].reshape(n, -1, g, BLOCK // lane, lane).transpose(0, 1, 3, 2, 4).reshape(n, -1, g * BLOCK)
              for span, g in ((slice(0, grouped), GROUP), (slice(grouped, None), PAIR))]
     if bits == 4:  # byte t: element t of a group or pair in its low nibble, element t of its second half in the high
         parts = [part[..., : part.shape[-1] // 2] | (part[..., part.shape[-1] // 2 :] << 4) for part in parts]
@@ -173,7 +180,8 @@ def _blocks(q: np.ndarray, d: np.ndarray, bits: int, k: int, *, m: np.ndarray | 
     half = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in scales)
     d, m = (None if a is None else _panels(a.astype(np.float16 if half else np.float32), PANEL // BLOCK) for a in (d, m))
     return CpuLinear(f"u{bits}", _panels(codes.astype(np.uint8), PANEL * bits // 8), n, k, blocks * BLOCK, d=d, m=m,
-                     z=None if z is None else _panels(z.astype(np.uint8), PANEL // BLOCK), zero=zero, perm=perm)
+                     z=None if z is None else _panels(z.astype(np.uint8), PANEL // BLOCK), zero=zero, perm=perm,
+                     act=act)
 
 
 def _panels(a: np.ndarray, width: int) -> np.ndarray:
@@ -182,28 +190,28 @@ def _panels(a: np.ndarray, width: int) -> np.ndarray:
     return np.concatenate([a[:, c : c + width].ravel() for c in range(0, a.shape[1], width)])
 
 
-def _from_gguf(w: GgufWeight) -> CpuLinear:
+def _from_gguf(w: GgufWeight, act: int) -> CpuLinear:
     n, k = w.shape
     raw = w.blocks.reshape(n, -1, w.blocks.shape[1] // _gguf_blocks(w))
     f16 = lambda a: a.copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
     if w.kind == GGML.Q8_0:
         d = f16(raw[..., 0:2])
         q = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return _blocks(q, d, 8, k, z=128)
+        return _blocks(q, d, 8, k, act, z=128)
     if w.kind in (GGML.Q4_0, GGML.Q4_1):
         d = f16(raw[..., 0:2])
         packed = raw[..., -16:]  # byte j: weight j (low nibble), weight j + 16 (high)
         q = np.concatenate([packed & 0xF, packed >> 4], axis=-1)
         if w.kind == GGML.Q4_0:
-            return _blocks(q, d, 4, k, z=8)
-        return _blocks(q, d, 4, k, m=f16(raw[..., 2:4]))
+            return _blocks(q, d, 4, k, act, z=8)
+        return _blocks(q, d, 4, k, act, m=f16(raw[..., 2:4]))
     if w.kind == GGML.Q4_K:  # super-blocks of 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
         supers = raw.reshape(-1, raw.shape[-1])
         d, dmin = f16(supers[:, 0:2])[:, None], f16(supers[:, 2:4])[:, None]
         sc, mn = Q4_K.get_scale_min(supers[:, 4:16])
         packed = supers[:, 16:].reshape(-1, 4, BLOCK)  # chunk c: sub-block 2c low, 2c + 1 high (u4's own order)
         q = np.stack([packed & 0xF, packed >> 4], axis=2).reshape(n, -1, BLOCK)
-        return _blocks(q, (d * sc).reshape(n, -1), 4, k, m=(-dmin * mn).reshape(n, -1))
+        return _blocks(q, (d * sc).reshape(n, -1), 4, k, act, m=(-dmin * mn).reshape(n, -1))
     raise ValueError(f"no CPU kernel reads GGUF {w.kind.name}")
 
 
@@ -212,7 +220,7 @@ def _gguf_blocks(w: GgufWeight) -> int:
     return w.columns // (256 if w.kind == GGML.Q4_K else BLOCK)
 
 
-def _from_int4(w: Int4Weight) -> CpuLinear:
+def _from_int4(w: Int4Weight, act: int) -> CpuLinear:
     n, k = w.shape
     perm = None
     group = w.group
@@ -226,7 +234,7 @@ def _from_int4(w: Int4Weight) -> CpuLinear:
     codes = w.codes if perm is None else w.codes[:, perm]
     q = np.pad(codes, ((0, 0), (0, padded - k))).reshape(n, -1, BLOCK)
     g = block_group[:, 0]
-    return _blocks(q, w.scale[:, g], 4, k, z=w.zero[:, g], perm=perm)
+    return _blocks(q, w.scale[:, g], 4, k, act, z=w.zero[:, g], perm=perm)
 
 
 def _from_fp8(w: Fp8Weight) -> CpuLinear:
