@@ -16,7 +16,7 @@
 //     float32's.
 //   int8 (act 1, L = 127): llama.cpp's; vpdpbusd does twice vpdpwssd's multiply-adds an
 //     instruction (products of 8 rows 1.3-1.5x as fast). It moves SmolLM2's logits by
-//     ~4e-2 (relative L2) and its perplexity by ~0.5%, turning near ties as llama.cpp does.
+//     ~4e-2 (relative L2), its perplexity not at all, turning near ties as llama.cpp does.
 // Rows of w are shared out among the threads (pool.c); each is read once for all of x's rows.
 //
 // PANEL_LAYOUT: a matrix of more than PANEL columns is stored as panels of PANEL columns
