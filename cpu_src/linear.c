@@ -144,13 +144,13 @@ static inline __m256 offsets_at(const struct scales *s, size_t i, __m256 d, cons
 // A group's or a pair's weights, widened to the activations' width (`act` bytes: u4
 // nibbles to bytes or int16, u8 bytes to int16 where act is 2), in `n` registers of
 // `wvec`, register i meeting the activations at byte REG * i of theirs. With AVX-512
-// VNNI a register is a zmm; elsewhere a ymm.
+// VNNI a register is a zmm; elsewhere a ymm. u4 codes: byte t of a group's (or a pair's)
+// holds its element t in the low nibble and element t + 128 (a pair: t + 32) in the high
+// one.
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 typedef __m512i wvec;
 #define REG 64
 static inline __m512i load_reg(const void *p) { return _mm512_loadu_si512(p); }
-// u4, act 2: byte t of a group's (or pair's) codes holds its element t in the low nibble
-// and element t + 128 (a pair: t + 32) in the high one
 static inline void unpack_u4_words(wvec *w, const uint8_t *q, const int n) {
     const __m512i nibble = _mm512_set1_epi16(0x0F);
     for (int c = 0; c < n / 2; c++) {
@@ -242,7 +242,7 @@ static inline __attribute__((always_inline)) void blocks_dot(const int rows, con
                                                              const struct scales *sc, size_t at, const char *xq,
                                                              const float *sx, const float *xs, int kp, int nb, int b) {
     const int n = (pair ? PAIR : GROUP) * BLOCK * act / REG;
-    wvec w[GROUP * BLOCK * 2 / REG];
+    wvec w[GROUP * BLOCK * 2 / REG];  // (room for a group of int16)
     prefetch(q + AHEAD, (pair ? PAIR : GROUP) * BLOCK * bits / 8);
     if (act == 1 && bits == 4) unpack_u4_bytes(w, q, n);
     else if (act == 1) unpack_u8_bytes(w, q, n);

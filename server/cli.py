@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve_config(args: argparse.Namespace) -> ServerConfig:
+    """The settings of a parsed `serve` command line."""
+    return ServerConfig(**{k: v for k, v in vars(args).items() if k in ServerConfig.__dataclass_fields__})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
@@ -186,9 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from server.app import Server
 
-    cfg = ServerConfig(**{k: v for k, v in vars(args).items() if k in ServerConfig.__dataclass_fields__})
     try:
-        server = Server(cfg)
+        server = Server(serve_config(args))
     except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
         logging.getLogger("llamastream").error("%s", e)
         return 1

@@ -401,13 +401,13 @@ def test_tiny_models_on_the_cpu_backend_match_numpy(tiny_model, tiny_qwen3):
 
 
 def test_cpu_activations_go_from_the_command_line_to_the_products(caplog):
-    from server.app import ServerConfig, build_engine
-    from server.cli import build_parser
+    from server.app import build_engine
+    from server.cli import build_parser, serve_config
 
     assert build_parser().parse_args(["serve"]).cpu_activations == "int16"
     args = build_parser().parse_args(["serve", "--device", "cpu", "--cpu-activations", "int8", "--num-kv-blocks", "64"])
     with caplog.at_level(logging.INFO, logger="llamastream.engine"):
-        engine = build_engine(ServerConfig(**{k: v for k, v in vars(args).items() if k in ServerConfig.__dataclass_fields__}))
+        engine = build_engine(serve_config(args))
     assert "integer products with int8 activations" in caplog.text
     linears = [engine.backend.lm_head] + [w for layer in engine.backend.layers for w in layer.values()
                                           if isinstance(w, CpuLinear)]

@@ -16,9 +16,9 @@ import os
 import numpy as np
 from gguf import dequantize
 
+from engine.backends.base import CPU_ACTIVATIONS
 from engine.backends.cpu.kernels import CpuKernels, addr
 from engine.backends.cpu.weights import CpuLinear, PackedCall, QuantizedRows, repack
-from engine.backends.base import CPU_ACTIVATIONS
 from engine.backends.numpy_backend import NumpyBackend, _StepOps, head_rms_norm
 from engine.config import ModelConfig
 from engine.quantization.gguf import GgufWeight
@@ -177,8 +177,8 @@ class CpuBackend(NumpyBackend):
         self.embed = row_readable(weights.embed)  # (rows dequantized as a step reads them)
         self.lm_head = repack(weights.lm_head, self.activations)
         self.final_norm = weights.final_norm.float32()
-        self.layers = [{name: repack(t, self.activations) if len(t.shape) == 2 else Buffer(t.float32()) for name, t in layer.items()}
-                       for layer in weights.layers]
+        self.layers = [{name: repack(t, self.activations) if len(t.shape) == 2 else Buffer(t.float32())
+                        for name, t in layer.items()} for layer in weights.layers]
         linears = [self.lm_head] + [w for layer in self.layers for w in layer.values() if isinstance(w, CpuLinear)]
         norms = [self.final_norm] + [w.array for layer in self.layers for w in layer.values() if isinstance(w, Buffer)]
         embed_bytes = 0 if self.embed is weights.lm_head else self.embed.nbytes  # (a tied head is the embedding)
