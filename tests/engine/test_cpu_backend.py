@@ -136,7 +136,8 @@ def test_every_weight_form_multiplies_as_its_dequantized_weights(product_kernels
 def test_gguf_rows_of_an_odd_number_of_blocks_are_padded(product_kernels, activations):
     w = rng.standard_normal((16, 160)).astype(np.float32)  # 5 blocks: two pairs and a zero block's
     weight = _gguf(w, GGML.Q4_1)
-    assert (repack(weight).form, repack(weight).kp) == ("u4", 192)
+    linear = repack(weight)
+    assert (linear.form, linear.kp) == ("u4", 192)
     assert_multiplies_as_dequantized(product_kernels, weight, rng.standard_normal((2, 160)).astype(np.float32),
                                      activations)
 
@@ -268,10 +269,10 @@ def cpu_engine(model, kv_cache_dtype: str = "auto", activations: str = "int16", 
 
 
 @pytest.fixture(scope="module")
-def smollm2_greedy(smollm2) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+def smollm2_greedy(smollm2) -> tuple[list[list[int]], dict[str, list[list[int]]]]:
     """32 greedy steps on each golden prompt and the capital-of-France question, batched,
     by the numpy backend and by the CPU backend with each precision of activations (the
-    Q4_1/Q8_0 blocks as stored): {engine: (prompts, tokens)}."""
+    Q4_1/Q8_0 blocks as stored): the prompts, and {engine: tokens}."""
     golden = np.load(FIXTURES / "smollm2_golden.npz")
     prompts = [golden[f"ids_{i}"].tolist() for i in range(len(golden["names"]))]
     prompts.append(smollm2.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])[0])
@@ -280,12 +281,13 @@ def smollm2_greedy(smollm2) -> dict[str, tuple[list[list[int]], list[list[int]]]
                          ("int8", cpu_engine(smollm2, activations="int8"))):
         assert engine.backend.weight_dtype == ("float32" if name == "numpy" else "int4+int8")
         outputs = run(engine, [engine.make_sequence(f"r{i}", p, greedy(32)) for i, p in enumerate(prompts)])
-        results[name] = (prompts, [tokens(outputs[f"r{i}"]) for i in range(len(prompts))])
-    return results
+        results[name] = [tokens(outputs[f"r{i}"]) for i in range(len(prompts))]
+    return prompts, results
 
 
 def test_smollm2_from_its_gguf_with_int16_activations_gives_the_numpy_backends_greedy_tokens(smollm2_greedy):
-    assert smollm2_greedy["int16"][1] == smollm2_greedy["numpy"][1]
+    _, results = smollm2_greedy
+    assert results["int16"] == results["numpy"]
 
 
 def test_smollm2_with_int8_activations_leaves_the_numpy_backends_greedy_tokens_only_at_near_ties(smollm2,
@@ -298,13 +300,13 @@ def test_smollm2_with_int8_activations_leaves_the_numpy_backends_greedy_tokens_o
     "L'Étoile, la Marseillaise", as an FP8 head does (test_quantization.py)."""
     from devtools.probes import our_logits
 
-    prompts, ours = smollm2_greedy["int8"]
-    exact = smollm2_greedy["numpy"][1]
-    for prompt, mine, theirs in zip(prompts, ours, exact):
+    prompts, results = smollm2_greedy
+    numpy = make_engine(smollm2)
+    for prompt, mine, theirs in zip(prompts, results["int8"], results["numpy"]):
         if mine == theirs:
             continue
         step = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
-        logits = our_logits(make_engine(smollm2), prompt + theirs[:step])
+        logits = our_logits(numpy, prompt + theirs[:step])
         assert 0 <= logits[theirs[step]] - logits[mine[step]] < 0.3, (prompt, step)
 
 
