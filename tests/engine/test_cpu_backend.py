@@ -133,22 +133,15 @@ def test_every_weight_form_multiplies_as_its_dequantized_weights(product_kernels
 
 
 @pytest.mark.parametrize("activations", ["int8", "int16"])
-def test_gguf_rows_of_an_odd_number_of_blocks_are_padded(product_kernels, activations):
-    w = rng.standard_normal((16, 160)).astype(np.float32)  # 5 blocks: two pairs and a zero block's
-    weight = _gguf(w, GGML.Q4_1)
-    linear = repack(weight)
-    assert (linear.form, linear.kp) == ("u4", 192)
-    assert_multiplies_as_dequantized(product_kernels, weight, rng.standard_normal((2, 160)).astype(np.float32),
-                                     activations)
-
-
-@pytest.mark.parametrize("activations", ["int8", "int16"])
-@pytest.mark.parametrize("k", [576, 4192])  # 18 blocks: two groups and a pair; 131: panels of 64, 64 and 3 (+ 1)
-@pytest.mark.parametrize("rows", [3, 8])
-def test_blocks_after_the_last_group_multiply_by_pairs(product_kernels, k, rows, activations):
-    w = rng.standard_normal((24, k)).astype(np.float32)
+@pytest.mark.parametrize("n, k", [(5, 32), (17, 160), (33, 4192)])  # (4192: panels of 2048, 2048 and 96 columns)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_partial_tiles_and_panels_multiply_as_whole_ones(product_kernels, n, k, rows, activations):
+    """Rows that fill no whole tile of 16 (zero rows pad it, and are not written), and a
+    last panel narrower than the others, in each form of block scales."""
+    w = rng.standard_normal((n, k)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
-    for weight in (_gguf(w, GGML.Q4_1), _gguf(w, GGML.Q8_0), _gguf(w, GGML.Q4_0), _int4(24, k, 32, act_order=False)):
+    for weight in (_gguf(w, GGML.Q4_1), _gguf(w, GGML.Q8_0), _gguf(w, GGML.Q4_0), _int4(n, k, 32, act_order=False)):
+        assert repack(weight, activations).kp == k
         assert_multiplies_as_dequantized(product_kernels, weight, x, activations)
 
 

@@ -29,8 +29,7 @@ from engine.quantization.int4 import Int4Weight
 from engine.weights import Tensor
 
 BLOCK = 32
-GROUP = 8  # blocks in linear.c's GROUP_LAYOUT
-PAIR = 2  # blocks of a pair, after a row's last group
+TILE_ROWS = 16  # weight rows of a tile in linear.c's TILE_LAYOUT
 PANEL = 2048  # columns of a panel in linear.c's PANEL_LAYOUT
 FLOAT_KINDS = {"f32": 0, "bf16": 1, "f16": 2, "e4m3": 3}  # as cpu_src/linear.c's enum
 E4M3_AS_F16 = 256.0  # linear.c reads an e4m3 byte as a float16 of its value / 256
@@ -40,10 +39,11 @@ ACTIVATION_BYTES = {"int8": 1, "int16": 2}  # of each of base.CPU_ACTIVATIONS
 @dataclass(frozen=True)
 class CpuLinear:
     """A weight [n, k] as one of the kernels' forms. u4/u8: codes over kp >= k columns
-    (zero blocks pad a row to the kernel's width), and per block of 32 a scale d and an
-    offset m, or a zero point z (m = -d z), or without either the matrix's one zero
-    point `zero`; d and m float16 where that is exact (the checkpoint's own scales, as
-    few bytes as it stores), else float32; codes and scales by panels of PANEL columns.
+    (a zero block pads a row to whole blocks) and rows by tiles of TILE_ROWS (zero rows
+    pad the last), and per block of 32 a scale d and an offset m, or a zero point z
+    (m = -d z), or without either the matrix's one zero point `zero`; d and m float16
+    where that is exact (the checkpoint's own scales, as few bytes as it stores), else
+    float32; codes and scales by panels of PANEL columns.
     float: codes in `kind`, and `scale` per row and group of `group` columns (or None).
     `perm`: the input column each of kp reads, where a checkpoint reordered them.
     `act`: the bytes of an activation (ACTIVATION_BYTES) that u4 and u8 codes are laid out for."""
@@ -163,31 +163,35 @@ def _blocks(q: np.ndarray, d: np.ndarray, bits: int, k: int, act: int, *, m: np.
     one z for every block), laid out for activations of `act` bytes."""
     zero, z = (z, None) if isinstance(z, int) else (0, z)
     n, blocks, _ = q.shape
-    if blocks % PAIR:  # (the blocks after the last group go in pairs: a zero block completes the last)
-        q = np.concatenate([q, np.zeros((n, 1, BLOCK), np.uint8)], axis=1)
-        d, m, z = (None if a is None else np.concatenate([a, np.zeros((n, 1), a.dtype)], axis=1) for a in (d, m, z))
-        blocks += 1
-    grouped = blocks // GROUP * GROUP
-    # linear.c's GROUP_LAYOUT, E = 4 / act weights a lane: [rows, groups, j, block i, weight E j + t], then the
-    # rest by pairs alike
+    pad = -n % TILE_ROWS  # (zero rows complete the last tile)
+    q, d, m, z = (None if a is None else np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in (q, d, m, z))
+    # linear.c's TILE_LAYOUT, E = 4 / act weights a lane: [tile, block, slot c, row, weight E c + e]
     lane = 4 // act
-    parts = [q[:, span].reshape(n, -1, g, BLOCK // lane, lane).transpose(0, 1, 3, 2, 4).reshape(n, -1, g * BLOCK)
-             for span, g in ((slice(0, grouped), GROUP), (slice(grouped, None), PAIR))]
-    if bits == 4:  # byte t: element t of a group or pair in its low nibble, element t of its second half in the high
-        parts = [part[..., : part.shape[-1] // 2] | (part[..., part.shape[-1] // 2 :] << 4) for part in parts]
-    codes = np.concatenate([part.reshape(n, -1) for part in parts], axis=1)
+    tiles = q.reshape(-1, TILE_ROWS, blocks, BLOCK // lane, lane).transpose(0, 2, 3, 1, 4)
+    if bits == 4:  # slot c in the low nibbles, slot c + (its slots) / 2 in the high
+        half = tiles.shape[2] // 2
+        tiles = tiles[:, :, :half] | (tiles[:, :, half:] << 4)
+    codes = tiles.reshape(len(tiles), blocks, -1).astype(np.uint8)
     scales = [a for a in (d, m) if a is not None]
     half = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in scales)
-    d, m = (None if a is None else _panels(a.astype(np.float16 if half else np.float32), PANEL // BLOCK) for a in (d, m))
-    return CpuLinear(f"u{bits}", _panels(codes.astype(np.uint8), PANEL * bits // 8), n, k, blocks * BLOCK, d=d, m=m,
-                     z=None if z is None else _panels(z.astype(np.uint8), PANEL // BLOCK), zero=zero, perm=perm,
-                     act=act)
+    d, m = (None if a is None else _panels(_by_tile(a.astype(np.float16 if half else np.float32))) for a in (d, m))
+    return CpuLinear(f"u{bits}", _panels(codes), n, k, blocks * BLOCK, d=d, m=m,
+                     z=None if z is None else _panels(_by_tile(z.astype(np.uint8))), zero=zero, perm=perm, act=act)
 
 
-def _panels(a: np.ndarray, width: int) -> np.ndarray:
-    """[n, columns] as linear.c's PANEL_LAYOUT: [n, width] for each `width` columns (the
-    last what is left), one after the other."""
-    return np.concatenate([a[:, c : c + width].ravel() for c in range(0, a.shape[1], width)])
+def _by_tile(a: np.ndarray) -> np.ndarray:
+    """Block scales [rows, blocks] as TILE_LAYOUT holds them: [tile, block, row of the tile]."""
+    return a.reshape(-1, TILE_ROWS, a.shape[1]).transpose(0, 2, 1)
+
+
+def _panels(a: np.ndarray) -> np.ndarray:
+    """[tiles, blocks, ...] as linear.c's PANEL_LAYOUT: the tiles' blocks of each PANEL
+    columns (the last what is left), one panel after the other, starting on a cache line."""
+    width = PANEL // BLOCK
+    flat = np.concatenate([a[:, b : b + width].ravel() for b in range(0, a.shape[1], width)])
+    out = line_aligned(flat.size, flat.dtype)
+    out[:] = flat
+    return out
 
 
 def _from_gguf(w: GgufWeight, act: int) -> CpuLinear:
