@@ -76,9 +76,13 @@ gpu-bench:
 
 # CPU decode against llama.cpp on the same GGUF files (bench/cpu_decode.py). llama.cpp comes
 # from llama-cpp-python, built from source into its own .venv-bench (the server's and the
-# tests' environment stay as they are) with this CPU's instruction set and OpenMP; the build
-# takes about 10 minutes on two cores. BENCH_ARGS goes to the script.
+# tests' environment stay as they are) with this CPU's instruction set and OpenMP, never from pip's
+# cache (which may hold another CPU's build); the build takes about 10 minutes on two cores.
+# Without AMX: on the Intel Xeon machines, its AMX products die of SIGILL (tilezero in
+# ggml_backend_amx_mul_mat, though AMX works there), which would leave llama.cpp without its
+# other repacked weights too. BENCH_ARGS goes to the script.
 BENCH_VENV := .venv-bench
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 BENCH_ARGS ?=
 bench-cpu: $(VENV)/.installed $(STUBS) $(BENCH_VENV)/.installed
 	$(BIN)/python bench/cpu_decode.py --llama-cpp-python $(BENCH_VENV)/bin/python $(BENCH_ARGS)
@@ -87,8 +91,8 @@ $(BENCH_VENV)/.installed: bench/requirements-llama-cpp.txt
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
 	  -c bench/requirements-llama-cpp.txt scikit-build-core pathspec packaging
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON" nice $(BENCH_VENV)/bin/python -m pip install -q \
-	  --disable-pip-version-check --no-deps --no-build-isolation --no-binary llama-cpp-python \
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON" CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)" nice $(BENCH_VENV)/bin/python -m pip install -q \
+	  --disable-pip-version-check --no-deps --no-build-isolation --no-binary llama-cpp-python --no-cache-dir \
 	  -r bench/requirements-llama-cpp.txt
 	touch $@
 

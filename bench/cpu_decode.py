@@ -2,7 +2,7 @@
 transformers, on the same GGUF files, the same prompts and the same cores, in one run:
 
     python bench/cpu_decode.py [--backends numpy,cpu,cpu-int8] [--new-tokens 128] [--repeats 3]
-                               [--llama-cpp-python .venv-bench/bin/python]
+                               [--llama-cpp-python .venv-bench/bin/python] [--compare-with CHECKOUT]
 
 (`make bench-cpu` builds llama-cpp-python into .venv-bench and runs this with it.) The
 models: SmolLM2-135M-Instruct from the embedded Q4_1 GGUF at batch 1 and 8, and a random
@@ -26,6 +26,12 @@ bytes one step reads, as stored (quantized blocks; the tied embedding counted wh
 the head that reads it all, plus the rows its lookup reads), over this machine's memory
 read bandwidth (numpy's maximum of a 512 MiB array, one part a thread, measured here). The
 KV cache's reads are left out of the floor: at these lengths they are a few MB a sequence.
+
+--compare-with ranks two builds: each of llamastream's figures is measured for this tree
+and for another checkout of it (its own engine and kernels), in fresh processes that take
+turns, one timed run each, --repeats times; the best of each is shown, the other's in a
+column of its own. The speed of a shared machine swings by a third or more within
+minutes, so figures from separate runs rank nothing; taking turns within one run does.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# the llamastream whose engine is measured: this tree's, or --compare-with's in a worker
+sys.path.insert(0, os.environ.get("LLAMASTREAM_TREE", str(ROOT)))
 
 from engine.backends import create_backend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
@@ -154,6 +161,38 @@ def ours(model: LoadedModel, backend_name: str, prompts: list[list[int]], new_to
     return new_tokens * len(prompts) / min(generate(new_tokens) for _ in range(repeats)), type(backend).__name__
 
 
+def ours_in(tree: Path, path: Path, backend_name: str, prompts: list[list[int]], new_tokens: int,
+            threads: int) -> tuple[float, str]:
+    """ours() with the engine and kernels of the llamastream checkout `tree`, in a fresh
+    process (this script's --worker): one timed run."""
+    job = {"path": str(path), "backend": backend_name, "prompts": prompts, "new_tokens": new_tokens, "threads": threads}
+    run = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(job), capture_output=True, text=True,
+                         env={**os.environ, "LLAMASTREAM_TREE": str(tree)})
+    if run.returncode != 0:
+        raise RuntimeError(f"{tree}: {run.stderr.strip()[-2000:]}")
+    result = json.loads(run.stdout.splitlines()[-1])
+    return result["tokens_per_s"], result["backend"]
+
+
+def taking_turns(trees: list[Path], path: Path, backend_name: str, prompts: list[list[int]], new_tokens: int,
+                 threads: int, repeats: int) -> list[tuple[float, str]]:
+    """The best tokens/s of each tree's engine and its backend's class, the trees' runs
+    taking turns `repeats` times."""
+    runs: list[list[tuple[float, str]]] = [[] for _ in trees]
+    for _ in range(repeats):
+        for tree, results in zip(trees, runs):
+            results.append(ours_in(tree, path, backend_name, prompts, new_tokens, threads))
+    return [max(results) for results in runs]
+
+
+def worker() -> None:
+    """--worker: one job of ours_in (JSON on stdin), its result as JSON on stdout."""
+    job = json.load(sys.stdin)
+    tps, backend = ours(load_model(Path(job["path"])), job["backend"], job["prompts"], job["new_tokens"], 1,
+                        job["threads"])
+    print(json.dumps({"tokens_per_s": tps, "backend": backend}))
+
+
 def llama_cpp(python: str | None, path: Path, prompts: list[list[int]], new_tokens: int, threads: int,
               repeats: int) -> tuple[float | None, str]:
     """llama.cpp's tokens/s and its build (or None and why not), from
@@ -228,11 +267,11 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def commit() -> str:
+def commit(tree: Path = ROOT) -> str:
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -275,8 +314,14 @@ def main() -> None:
                     help="an interpreter with llama-cpp-python (default: .venv-bench's, else this one's if it has it)")
     ap.add_argument("--models-dir", type=Path, default=ROOT / "bench" / "out")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--compare-with", type=lambda p: Path(p).resolve(), metavar="CHECKOUT",
+                    help="another llamastream checkout, measured taking turns with this one (see above)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        return worker()
     backends = [b for b in args.backends.split(",") if b]
+    other = f"@{commit(args.compare_with)}" if args.compare_with else None
     cases = models(args.models_dir)
 
     bandwidth = read_bandwidth(args.threads)
@@ -285,11 +330,16 @@ def main() -> None:
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(f"date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; llamastream {commit()}; "
           f"load average {os.getloadavg()[0]:.1f}")
+    if other:
+        print(f"each backend also as {args.compare_with} ({other[1:]}) has it, in the columns NAME{other}, "
+              "its runs and this tree's taking turns")
     print(f"{args.new_tokens} greedy tokens a sequence, best of {args.repeats}; tok/s (in brackets: of the ceiling, "
           "the batch over the floor, bytes a step / bandwidth)")
-    columns = [*backends, "llama.cpp", "transformers"]
+    ours_columns = [c for b in backends for c in ([b, b + other] if other else [b])]
+    columns = [*ours_columns, "llama.cpp", "transformers"]
+    widths = [max(14, len(c)) for c in columns]
     header = " | ".join([f"{'model':<26}", f"{'batch':>5}", f"{'MB/step':>7}", f"{'floor ms':>8}", f"{'ceiling':>7}",
-                         *(f"{c:>14}" for c in columns)])
+                         *(f"{c:>{w}}" for c, w in zip(columns, widths))])
     print(header)
     print("-" * len(header))
     notes: dict[str, list[str]] = {}  # a column's note: the rows it is true of
@@ -304,12 +354,17 @@ def main() -> None:
             cells = []
             for name in backends:
                 try:
-                    tps, cls = forked(ours, model, name, ps, args.new_tokens, args.repeats, args.threads)
-                    note = f"{name}: {cls}"
+                    if other:
+                        results = taking_turns([ROOT, args.compare_with], path, name, ps, args.new_tokens,
+                                               args.threads, args.repeats)
+                    else:
+                        results = [forked(ours, model, name, ps, args.new_tokens, args.repeats, args.threads)]
+                    for (tps, cls), column in zip(results, [name, name + (other or "")]):
+                        notes.setdefault(f"{column}: {cls}", []).append(row)
+                        cells.append(tps)
                 except RuntimeError as e:  # (an unknown name, a missing compiler, a format it does not serve)
-                    tps, note = None, f"{name}: skipped, {e}"
-                notes.setdefault(note, []).append(row)
-                cells.append(tps)
+                    notes.setdefault(f"{name}: skipped, {e}", []).append(row)
+                    cells.extend([None] * (2 if other else 1))
             tps, note = llama_cpp(args.llama_cpp_python, path, ps, args.new_tokens, args.threads, args.repeats)
             notes.setdefault(f"llama.cpp: {note}", []).append(row)
             cells.append(tps)
@@ -322,7 +377,7 @@ def main() -> None:
                     tps, note = None, f"failed, {e}"
             notes.setdefault(f"transformers: {note}", []).append(row)
             cells.append(tps)
-            text = [f"{t:7.1f} ({t / ceiling:3.0%})" if t else f"{'-':>14}" for t in cells]
+            text = [f"{f'{t:7.1f} ({t / ceiling:3.0%})' if t else '-':>{w}}" for t, w in zip(cells, widths)]
             megabytes = step_bytes(model, batch) / 1e6
             print(" | ".join([f"{label:<26}", f"{batch:>5}", f"{megabytes:7.1f}", f"{floor * 1e3:8.2f}",
                              f"{ceiling:7.1f}", *text]), flush=True)
