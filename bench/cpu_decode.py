@@ -322,6 +322,8 @@ def main() -> None:
         return worker()
     backends = [b for b in args.backends.split(",") if b]
     other = f"@{commit(args.compare_with)}" if args.compare_with else None
+    trees = [ROOT, args.compare_with] if other else [ROOT]
+    suffixes = ["", other] if other else [""]  # of a backend's columns: this tree's, then the other's
     cases = models(args.models_dir)
 
     bandwidth = read_bandwidth(args.threads)
@@ -335,7 +337,7 @@ def main() -> None:
               "its runs and this tree's taking turns")
     print(f"{args.new_tokens} greedy tokens a sequence, best of {args.repeats}; tok/s (in brackets: of the ceiling, "
           "the batch over the floor, bytes a step / bandwidth)")
-    ours_columns = [c for b in backends for c in ([b, b + other] if other else [b])]
+    ours_columns = [c for b in backends for c in [b + s for s in suffixes]]
     columns = [*ours_columns, "llama.cpp", "transformers"]
     widths = [max(14, len(c)) for c in columns]
     header = " | ".join([f"{'model':<26}", f"{'batch':>5}", f"{'MB/step':>7}", f"{'floor ms':>8}", f"{'ceiling':>7}",
@@ -355,16 +357,15 @@ def main() -> None:
             for name in backends:
                 try:
                     if other:
-                        results = taking_turns([ROOT, args.compare_with], path, name, ps, args.new_tokens,
-                                               args.threads, args.repeats)
+                        results = taking_turns(trees, path, name, ps, args.new_tokens, args.threads, args.repeats)
                     else:
                         results = [forked(ours, model, name, ps, args.new_tokens, args.repeats, args.threads)]
-                    for (tps, cls), column in zip(results, [name, name + (other or "")]):
+                    for (tps, cls), column in zip(results, [name + s for s in suffixes]):
                         notes.setdefault(f"{column}: {cls}", []).append(row)
                         cells.append(tps)
                 except RuntimeError as e:  # (an unknown name, a missing compiler, a format it does not serve)
                     notes.setdefault(f"{name}: skipped, {e}", []).append(row)
-                    cells.extend([None] * (2 if other else 1))
+                    cells.extend([None] * len(trees))
             tps, note = llama_cpp(args.llama_cpp_python, path, ps, args.new_tokens, args.threads, args.repeats)
             notes.setdefault(f"llama.cpp: {note}", []).append(row)
             cells.append(tps)
