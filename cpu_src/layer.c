@@ -178,6 +178,11 @@ static _Thread_local size_t capacity;
 
 #define QUERY_TILE 8  // query rows (of a sequence and a kv head) that share each pass over its keys and values
 #define AHEAD 8       // positions whose key and value are fetched while the scores of an earlier one are computed
+#ifdef __AVX512VL__
+#define YMM_REGISTERS 32  // (AVX-512 adds ymm16-31)
+#else
+#define YMM_REGISTERS 16
+#endif
 
 // 8 cached values (of K or V) from element `at` of a layer's cache.
 static inline __attribute__((always_inline)) __m256 cached8(const void *cache, size_t at, const int fp8) {
@@ -188,6 +193,44 @@ static inline __attribute__((always_inline)) __m256 cached8(const void *cache, s
 static inline __attribute__((always_inline)) void prefetch(const void *cache, size_t at, int n, const int fp8) {
     const char *p = (const char *)cache + at * (fp8 ? 1 : sizeof(float));
     for (int i = 0; i < n * (fp8 ? 1 : (int)sizeof(float)); i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+// The sums of each of the 8 vectors at p (8 floats apart) as one vector: a transpose by
+// horizontal adds, about as many instructions for 8 sums as summing one alone takes.
+static inline __m256 sums_of_8(const float *p) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_load_ps(p), _mm256_load_ps(p + 8));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_load_ps(p + 16), _mm256_load_ps(p + 24));
+    const __m256 t2 = _mm256_hadd_ps(_mm256_load_ps(p + 32), _mm256_load_ps(p + 40));
+    const __m256 t3 = _mm256_hadd_ps(_mm256_load_ps(p + 48), _mm256_load_ps(p + 56));
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // vectors 0-3's and 4-7's half sums
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// out[r] = inv[r] * sum_v scores[r * stride + v] * V[v] for a tile's tn rows, V the kv
+// head's values (from element `head` of each cache row) at positions 0..last-1 of slots
+// sl: each position's values read once for all the rows, `width` groups of 8 of them at
+// a time (tn and width constants, so that the sums stay in registers).
+static inline __attribute__((always_inline)) void weighted_values(const int tn, const int width, const int fp8,
+                                                                  const struct attention_args *a, const int64_t *sl,
+                                                                  int last, size_t head, const float *inv,
+                                                                  float *const *out, size_t stride) {
+    const int kv = a->kv_heads * a->d;
+    for (int i0 = 0; i0 < a->d; i0 += 8 * width) {
+        __m256 o[QUERY_TILE][4];
+        for (int r = 0; r < tn; r++)
+            for (int c = 0; c < width; c++) o[r][c] = _mm256_setzero_ps();
+        for (int v = 0; v < last; v++) {
+            __m256 values[4];
+            for (int c = 0; c < width; c++) values[c] = cached8(a->v_cache, sl[v] * kv + head + i0 + 8 * c, fp8);
+            for (int r = 0; r < tn; r++) {
+                const __m256 p = _mm256_set1_ps(scores[r * stride + v]);
+                for (int c = 0; c < width; c++) o[r][c] = _mm256_fmadd_ps(p, values[c], o[r][c]);
+            }
+        }
+        for (int r = 0; r < tn; r++)
+            for (int c = 0; c < width; c++)
+                _mm256_storeu_ps(out[r] + i0 + 8 * c, _mm256_mul_ps(o[r][c], _mm256_set1_ps(inv[r])));
+    }
 }
 
 // Query rows i0..i0+tn-1 of kv head g of sequence s (tn a constant, so that the tile's
@@ -211,15 +254,16 @@ static inline __attribute__((always_inline)) void query_tile(const int tn, const
         out[r] = a->out + (size_t)(a->q_row[s] + t) * a->heads * d + h * d;
         visible[r] = start + t + 1;
     }
-    // (each sum in two chains of adds, and each output below in two, halving the
-    // latency a tile of few rows, a decode step's, waits on)
+    // Scores: a row's products with a key summed to 8 lanes and kept; every 8 keys,
+    // summed across the lanes 8 keys at once.
+    float partial[QUERY_TILE][8][8] __attribute__((aligned(32)));
     for (int j = 0; j < last; j++) {
         const size_t k = sl[j] * kv + head;
         if (j + AHEAD < last) {  // (the rows are where the block table puts them: no prefetcher sees them coming)
             prefetch(a->k_cache, sl[j + AHEAD] * kv + head, d, fp8);
             prefetch(a->v_cache, sl[j + AHEAD] * kv + head, d, fp8);
         }
-        __m256 acc[QUERY_TILE], acc2[QUERY_TILE];
+        __m256 acc[QUERY_TILE], acc2[QUERY_TILE];  // (two chains of adds a row)
         for (int r = 0; r < tn; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
         int i = 0;
         for (; i + 16 <= d; i += 16) {
@@ -233,7 +277,15 @@ static inline __attribute__((always_inline)) void query_tile(const int tn, const
             const __m256 ki = cached8(a->k_cache, k + i, fp8);
             for (int r = 0; r < tn; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), ki, acc[r]);
         }
-        for (int r = 0; r < tn; r++) scores[r * stride + j] = hsum(_mm256_add_ps(acc[r], acc2[r])) * a->scale;
+        for (int r = 0; r < tn; r++) _mm256_store_ps(partial[r][j % 8], _mm256_add_ps(acc[r], acc2[r]));
+        if (j % 8 == 7 || j == last - 1) {  // (a last group of fewer: the stale lanes' sums are not kept)
+            const int j0 = j / 8 * 8;
+            for (int r = 0; r < tn; r++) {
+                float sums[8];
+                _mm256_storeu_ps(sums, _mm256_mul_ps(sums_of_8(partial[r][0]), _mm256_set1_ps(a->scale)));
+                memcpy(scores + r * stride + j0, sums, (j - j0 + 1) * sizeof(float));
+            }
+        }
     }
     float inv[QUERY_TILE];
     for (int r = 0; r < tn; r++) {
@@ -241,25 +293,10 @@ static inline __attribute__((always_inline)) void query_tile(const int tn, const
         inv[r] = 1.0f / softmax_numerators(row, visible[r], max_of(row, visible[r]));
         for (int j = visible[r]; j < last; j++) row[j] = 0.0f;
     }
-    for (int i = 0; i < d; i += 8) {  // eight of the head's dimensions over every value, in registers
-        __m256 o[QUERY_TILE], o2[QUERY_TILE];
-        for (int r = 0; r < tn; r++) o[r] = o2[r] = _mm256_setzero_ps();
-        int v = 0;
-        for (; v + 2 <= last; v += 2) {
-            const __m256 vi = cached8(a->v_cache, sl[v] * kv + head + i, fp8);
-            const __m256 vi2 = cached8(a->v_cache, sl[v + 1] * kv + head + i, fp8);
-            for (int r = 0; r < tn; r++) {
-                o[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * stride + v]), vi, o[r]);
-                o2[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * stride + v + 1]), vi2, o2[r]);
-            }
-        }
-        if (v < last) {
-            const __m256 vi = cached8(a->v_cache, sl[v] * kv + head + i, fp8);
-            for (int r = 0; r < tn; r++) o[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * stride + v]), vi, o[r]);
-        }
-        for (int r = 0; r < tn; r++)
-            _mm256_storeu_ps(out[r] + i, _mm256_mul_ps(_mm256_add_ps(o[r], o2[r]), _mm256_set1_ps(inv[r])));
-    }
+    // (as many groups of 8 values at once as the rows' sums leave registers for)
+    if (d % 32 == 0 && tn * 4 + 5 <= YMM_REGISTERS) weighted_values(tn, 4, fp8, a, sl, last, head, inv, out, stride);
+    else if (d % 16 == 0 && tn * 2 + 3 <= YMM_REGISTERS) weighted_values(tn, 2, fp8, a, sl, last, head, inv, out, stride);
+    else weighted_values(tn, 1, fp8, a, sl, last, head, inv, out, stride);
 }
 
 // Tasks [begin, end) of attention: task t is sequence t / kv_heads's kv head t %

@@ -188,19 +188,21 @@ def test_layer_ops_match_the_numpy_reference(kernels):
     np.testing.assert_array_equal(y, expected)
 
 
+@pytest.mark.parametrize("dim", [16, 24, 64])
 @pytest.mark.parametrize("fp8", [False, True], ids=["float32 cache", "e4m3 cache"])
-def test_rope_and_cache_and_paged_attention_match_the_numpy_reference(kernels, fp8):
-    """Two sequences in one step: one decoding at position 9, one prefilling positions 4..8
-    after 4 cached tokens; grouped-query heads (8 over 2), cache slots scattered. With an
+def test_rope_and_cache_and_paged_attention_match_the_numpy_reference(kernels, fp8, dim):
+    """Two sequences in one step: one decoding at position 37, one prefilling positions
+    20..24 after 20 cached tokens; grouped-query heads (8 over 2), cache slots scattered;
+    head dimensions that the kernel's value sums take 8, 16 and 32 at a time. With an
     e4m3 cache (--kv-cache-dtype fp8) the cached codes are the numpy backend's rounding
     exactly, and attention reads them as it does."""
     stored, read = (f32_to_e4m3, e4m3_to_f32) if fp8 else (np.asarray, np.asarray)
-    heads, kv_heads, dim = 8, 2, 16
+    heads, kv_heads = 8, 2
     inv_freq = (1.0 / 10000 ** (np.arange(0, dim, 2) / dim)).astype(np.float32)
-    k_cache = stored(rng.standard_normal((64, kv_heads, dim)).astype(np.float32))
-    v_cache = stored(rng.standard_normal((64, kv_heads, dim)).astype(np.float32))
-    seqs = [(9, 1, rng.permutation(64)[:10]), (4, 5, rng.permutation(64)[:9])]  # (start, tokens, slots of 0..end)
-    seqs[1] = (4, 5, np.setdiff1d(rng.permutation(64), seqs[0][2])[:9])
+    k_cache = stored(rng.standard_normal((128, kv_heads, dim)).astype(np.float32))
+    v_cache = stored(rng.standard_normal((128, kv_heads, dim)).astype(np.float32))
+    seqs = [(37, 1, rng.permutation(128)[:38])]  # (start, tokens, slots of 0..end)
+    seqs.append((20, 5, rng.permutation(np.setdiff1d(np.arange(128), seqs[0][2]))[:25]))
     positions = np.concatenate([np.arange(s, s + n) for s, n, _ in seqs])
     new_slots = np.concatenate([slots[s:] for s, _, slots in seqs]).astype(np.int64)
     qkv = rng.standard_normal((len(positions), (heads + 2 * kv_heads) * dim)).astype(np.float32)
