@@ -11,7 +11,7 @@ through PyTorch's scaled_dot_product_attention (its choice of kernel) on contigu
 beside it, where the machine has PyTorch. --kv-cache-dtype fp8 reads a cache of e4m3
 codes.
 
-    python bench/prefill_attention.py [--sources DIR] [--torch] [--kv-cache-dtype fp8]   # on a machine with an NVIDIA GPU
+    python bench/prefill_attention.py [--sources DIR] [--torch] [--kv-cache-dtype fp8] [--partitions 64,256]   # on a machine with an NVIDIA GPU
 
 --sources compiles another version of cuda_src/ (as in bench/decode_attention.py) whose
 prefill kernel has the block geometry of this checkout's launcher (PREFILL_THREADS, M_TILE).
@@ -75,10 +75,12 @@ def case_inputs(tokens: int, cached: int, kv_fp8: bool, rng: np.random.Generator
     }
 
 
-def time_prefill(kernels: Kernels, spin, tokens: int, x: dict, whole: bool) -> tuple[float, str]:
+def time_prefill(kernels: Kernels, spin, tokens: int, x: dict, whole: bool,
+                 partition: int | None = None) -> tuple[float, str]:
     """Mean GPU time of one layer's prompt attention, in seconds, and how it ran: each
-    query tile's whole context in one block, or partitions merged after."""
-    partition = attention_partition(0, tokens, x["context"], invariant=False)
+    query tile's whole context in one block, or partitions (the engine's length, or
+    `partition`) merged after."""
+    partition = partition or attention_partition(0, tokens, x["context"], invariant=False)
     P = 1 if whole else math.ceil(x["context"] / partition)
     acc, m, s = (gpuarray.empty(shape, np.float32) for shape in ((tokens, HEADS, P, HEAD_DIM), (tokens, HEADS, P),
                                                                   (tokens, HEADS, P)))
@@ -123,7 +125,10 @@ def main() -> None:
     ap.add_argument("--sources", type=Path, default=CUDA_SRC, help="a cuda_src/ folder (default: this checkout's)")
     ap.add_argument("--torch", action="store_true", help="time PyTorch's scaled_dot_product_attention beside it")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bfloat16; fp8: e4m3 codes")
+    ap.add_argument("--partitions", default="", help="comma-separated partition lengths (multiples of 64) to time "
+                    "beside the engine's, in the cases that split their contexts")
     args = ap.parse_args()
+    other_partitions = [int(p) for p in args.partitions.split(",") if p]
     kv_fp8 = args.kv_cache_dtype == "fp8"
     device = cuda.Context.get_device()
     major, minor = device.compute_capability()
@@ -140,11 +145,14 @@ def main() -> None:
         flops, x = causal_flops(tokens, cached), case_inputs(tokens, cached, kv_fp8, rng)
         engine_whole = is_whole_context_prompt(tokens, invariant=False)
         # (the engine's way first; a short prompt's whole contexts too, for comparison)
-        for whole in (engine_whole,) if engine_whole else (False, True):
-            seconds, how = time_prefill(kernels, spin, tokens, x, whole)
+        engines = attention_partition(0, tokens, x["context"], invariant=False)
+        others = [(False, p) for p in other_partitions if p != engines]
+        ways = [(engine_whole, None)] if engine_whole else [(False, None), *others, (True, None)]
+        for whole, partition in ways:
+            seconds, how = time_prefill(kernels, spin, tokens, x, whole, partition)
             line = (f"{tokens:>10} | {cached:>6} | {how:>16} | {seconds * 1e6:8.1f} | {flops / seconds / 1e12:7.1f} | "
                     f"{flops / PEAK * 1e6:8.1f}")
-            if args.torch and whole == engine_whole:
+            if args.torch and whole == engine_whole and partition is None:
                 t = time_torch(tokens, cached)
                 line += f" | {t * 1e6:8.1f} | {flops / t / 1e12:7.1f}"
             print(line)
