@@ -86,7 +86,8 @@ def main() -> None:
         print(f"command: python bench/cpu_attention.py {' '.join(sys.argv[1:])}")
         print(f"K/V cache: {'e4m3' if fp8 else 'float32'}; µs a layer's call, median of {ROUNDS} rounds of {CALLS}")
         names = list(builds)
-        print(f"{'shape':14} | batch | context | K/V MB | floor µs (bytes, MACs) | " + " | ".join(f"{n:>14}" for n in names))
+        print(f"{'shape':14} | batch | context | K/V MB | floor µs (bytes, MACs) | "
+              + " | ".join(f"{n:>14}" for n in names))
         rng = np.random.default_rng(0)
         for shape, batch, context in CASES:
             heads, kv_heads = SHAPES[shape]

@@ -11,7 +11,8 @@ through PyTorch's scaled_dot_product_attention (its choice of kernel) on contigu
 beside it, where the machine has PyTorch. --kv-cache-dtype fp8 reads a cache of e4m3
 codes.
 
-    python bench/prefill_attention.py [--sources DIR] [--torch] [--kv-cache-dtype fp8] [--partitions 64,256]   # on a machine with an NVIDIA GPU
+    python bench/prefill_attention.py [--sources DIR] [--torch] [--kv-cache-dtype fp8] [--partitions 64,256]
+    (on a machine with an NVIDIA GPU)
 
 --sources compiles another version of cuda_src/ (as in bench/decode_attention.py) whose
 prefill kernel has the block geometry of this checkout's launcher (PREFILL_THREADS, M_TILE).
@@ -75,12 +76,10 @@ def case_inputs(tokens: int, cached: int, kv_fp8: bool, rng: np.random.Generator
     }
 
 
-def time_prefill(kernels: Kernels, spin, tokens: int, x: dict, whole: bool,
-                 partition: int | None = None) -> tuple[float, str]:
+def time_prefill(kernels: Kernels, spin, tokens: int, x: dict, whole: bool, partition: int) -> tuple[float, str]:
     """Mean GPU time of one layer's prompt attention, in seconds, and how it ran: each
-    query tile's whole context in one block, or partitions (the engine's length, or
-    `partition`) merged after."""
-    partition = partition or attention_partition(0, tokens, x["context"], invariant=False)
+    query tile's whole context in one block, or partitions of `partition` positions
+    merged after."""
     P = 1 if whole else math.ceil(x["context"] / partition)
     acc, m, s = (gpuarray.empty(shape, np.float32) for shape in ((tokens, HEADS, P, HEAD_DIM), (tokens, HEADS, P),
                                                                   (tokens, HEADS, P)))
@@ -145,14 +144,15 @@ def main() -> None:
         flops, x = causal_flops(tokens, cached), case_inputs(tokens, cached, kv_fp8, rng)
         engine_whole = is_whole_context_prompt(tokens, invariant=False)
         # (the engine's way first; a short prompt's whole contexts too, for comparison)
-        engines = attention_partition(0, tokens, x["context"], invariant=False)
-        others = [(False, p) for p in other_partitions if p != engines]
-        ways = [(engine_whole, None)] if engine_whole else [(False, None), *others, (True, None)]
+        engine_partition = attention_partition(0, tokens, x["context"], invariant=False)
+        others = [(False, p) for p in other_partitions if p != engine_partition]
+        engine_way = (engine_whole, engine_partition)
+        ways = [engine_way] if engine_whole else [engine_way, *others, (True, engine_partition)]
         for whole, partition in ways:
             seconds, how = time_prefill(kernels, spin, tokens, x, whole, partition)
             line = (f"{tokens:>10} | {cached:>6} | {how:>16} | {seconds * 1e6:8.1f} | {flops / seconds / 1e12:7.1f} | "
                     f"{flops / PEAK * 1e6:8.1f}")
-            if args.torch and whole == engine_whole and partition is None:
+            if args.torch and (whole, partition) == engine_way:
                 t = time_torch(tokens, cached)
                 line += f" | {t * 1e6:8.1f} | {flops / t / 1e12:7.1f}"
             print(line)

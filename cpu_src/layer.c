@@ -281,8 +281,8 @@ static inline __attribute__((always_inline)) void query_tile(const int tn, const
         if (j % 8 == 7 || j == last - 1) {
             const int j0 = j / 8 * 8;
             for (int r = 0; r < tn; r++) {
-                float sums[8];
-                for (int p = j % 8 + 1; p < 8; p++) _mm256_store_ps(partial[r][p], _mm256_setzero_ps());  // (a last group of fewer)
+                float sums[8];  // (a last group of fewer keys: its other lanes zeroed)
+                for (int p = j % 8 + 1; p < 8; p++) _mm256_store_ps(partial[r][p], _mm256_setzero_ps());
                 _mm256_storeu_ps(sums, _mm256_mul_ps(sums_of_8(partial[r][0]), _mm256_set1_ps(a->scale)));
                 memcpy(scores + r * stride + j0, sums, (j - j0 + 1) * sizeof(float));
             }
