@@ -17,12 +17,13 @@ from tests.conftest import TINY_MODEL
 from tests.serving import check_stream_shape, collect, local_server, stub
 
 GREEDY = pb.SamplingParams(temperature=0.0)
-CONTEXT = 2048
+CONTEXT = 4096  # the tiny model's longest: a full-context stream outlasts a short deadline on any machine
+KV_BLOCKS = 288  # one full-context sequence and room to spare
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = local_server(num_kv_blocks=160, max_model_len=CONTEXT, engine_process=True)  # as `llamastream serve` runs
+    s = local_server(num_kv_blocks=KV_BLOCKS, max_model_len=CONTEXT, engine_process=True)  # as `llamastream serve` runs
     yield s
     s.drain()
 
@@ -81,8 +82,11 @@ def test_cancelled_stream_frees_its_blocks(client, server):
 
 
 def test_deadline_frees_blocks(client, server):
+    call = client.Generate(long_request(max_tokens=CONTEXT - 8), timeout=0.3)
     with pytest.raises(grpc.RpcError) as e:
-        collect(client.Generate(long_request(max_tokens=CONTEXT - 8), timeout=0.5))
+        next(call), next(call)  # started, first delta: it holds blocks now
+        assert server.engine.stats().kv_blocks_free < server.engine.info.num_kv_blocks
+        list(call)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_until(lambda: all_blocks_free(server))
 
@@ -122,7 +126,7 @@ def test_tokenize_and_model_info(client, server):
     info = client.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
     assert (info.model, info.max_context_length, info.vocab_size, info.backend) == ("tiny-llama", CONTEXT, 512, "cpu")
     assert list(info.eos_token_ids) == tok.eos_token_ids and info.has_chat_template
-    assert (info.kv_cache_blocks, info.block_size) == (160, 16)
+    assert (info.kv_cache_blocks, info.block_size) == (KV_BLOCKS, 16)
     parameters = sum(t.size for t in load_file(str(TINY_MODEL / "model.safetensors")).values())
     assert (info.weight_format, info.weight_dtype, info.weight_bytes, info.kv_cache_dtype) == \
         ("float32", "float32", 4 * parameters, "float32")
