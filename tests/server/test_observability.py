@@ -104,13 +104,13 @@ def test_the_http_port_serves_metrics_liveness_and_readiness():
 
 
 def test_cancelled_and_expired_streams_are_logged_and_counted_as_such(caplog):
-    server = local_server(start=False, metrics_port=0, engine_process=True)
+    server = local_server(start=False, metrics_port=0, engine_process=True, num_kv_blocks=256)
     with caplog.at_level(logging.INFO, logger="llamastream.requests"):
         server.start()
         try:
             client = stub(f"127.0.0.1:{server.port}")
             long = pb.GenerateRequest(request_id="cancelled", prompt="x", sampling=pb.SamplingParams(temperature=0.0),
-                                      stop=pb.StopCriteria(max_tokens=900, ignore_eos=True))
+                                      stop=pb.StopCriteria(max_tokens=4000, ignore_eos=True))
             call = client.Generate(long, timeout=60)
             received = 0
             for message in call:
@@ -120,7 +120,7 @@ def test_cancelled_and_expired_streams_are_logged_and_counted_as_such(caplog):
                     break
             long.request_id = "expired"
             with pytest.raises(grpc.RpcError) as e:
-                collect(client.Generate(long, timeout=0.1))  # (900 tokens take longer, even here)
+                collect(client.Generate(long, timeout=0.1))  # (4,000 tokens take longer on any machine)
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             deadline = time.monotonic() + 10
             while len([r for r in caplog.records if r.name == "llamastream.requests"]) < 2 and time.monotonic() < deadline:
