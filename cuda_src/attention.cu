@@ -1,6 +1,7 @@
 #include <type_traits>
 
 #include "kv_cache.cuh"
+#include "wgmma.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
@@ -398,6 +399,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 // last ones), keeps an online softmax per row in base 2 (the scale times log2(e) folded
 // into one multiply-add an element) and accumulates O += P V with P rounded to bfloat16
 // (as transformers' eager attention rounds its probabilities).
+// On Hopper (PREFILL_WGMMA) the block's two warpgroups take 64 rows each and compute
+// S and O with wgmma (wgmma.cuh): the tiles are copied 128-byte swizzled, K read as
+// wgmma's B of S, V as its transposed B of O, and P passed in registers, so no fragment
+// of K or V passes through a warp's registers (mma.sync's ldmatrix loads took the
+// shared memory's bandwidth beside its products).
 // Every row visits the same positions in the same order whatever its tile, so its
 // result does not depend on the batch. grid: (query tiles, kv_heads, partitions);
 // tiles[i] = (first row, rows) of query tile i, taken last first: a sequence's later
@@ -408,6 +414,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
 // step of thousands of prompt tokens has blocks enough without splitting contexts, and
 // its partial results would be gigabytes to write and merge at long contexts (the
 // host's step_metadata.is_whole_context_prompt).
+#if defined(HAVE_WGMMA) && HEAD_DIM == 64 && !defined(KV_CACHE_FP8)
+#define PREFILL_WGMMA 1  // (an FP8 cache's widening and HEAD_DIM 128 stay on mma.sync)
+#endif
 #define PREFILL_WARPS 8                // 16 query rows each: 8 warps share a K/V tile's copy
 #define PREFILL_THREADS (PREFILL_WARPS * 32)
 #define M_TILE (PREFILL_WARPS * 16)    // (position, head) rows per block
@@ -450,7 +459,11 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
     const int* __restrict__ positions, const int* __restrict__ tiles,
     int heads, int kv_heads, int block_shift, int partition, float scale) {
     await_previous_kernel();
-#ifdef KV_CACHE_FP8  // the codes are copied in two buffers, each tile widened into one of bfloat16
+#if defined(PREFILL_WGMMA)  // two buffers of K and of V, swizzled: tile_s(0 or 1, buffer) (the extra KB aligns them)
+    __shared__ __align__(16) uint8_t kv_s[4 * KV_TILE * 128 + 1024];
+    uint8_t* const kv_base = kv_s + (-static_cast<int>(__cvta_generic_to_shared(kv_s)) & 1023);
+    auto tile_s = [&](int v, int buf) { return kv_base + (2 * v + buf) * KV_TILE * 128; };
+#elif defined(KV_CACHE_FP8)  // the codes are copied in two buffers, each tile widened into one of bfloat16
     __shared__ __align__(16) kv_t k_codes[2][KV_TILE][HEAD_DIM];
     __shared__ __align__(16) kv_t v_codes[2][KV_TILE][HEAD_DIM];
     __shared__ __align__(16) bf16 k_s[1][KV_TILE][HEAD_DIM + PAD];
@@ -505,8 +518,13 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
             size_t idx = 0;
             if (p < end)
                 idx = kv_row(table[p >> block_shift], in_block(p, block_shift), kvh, kv_heads, block_shift) * HEAD_DIM + d;
+#if defined(PREFILL_WGMMA)
+            copy16_async(tile_s(0, buf) + swizzled_offset(j, d / 8), k_cache + idx, p < end);
+            copy16_async(tile_s(1, buf) + swizzled_offset(j, d / 8), v_cache + idx, p < end);
+#else
             copy16_async(&k_codes[buf][j][d], k_cache + idx, p < end);
             copy16_async(&v_codes[buf][j][d], v_cache + idx, p < end);
+#endif
         }
         copy_commit();
     };
@@ -520,6 +538,9 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
         } else {
             copy_wait<0>();
         }
+#if defined(PREFILL_WGMMA)
+        fence_proxy_async();
+#endif
         __syncthreads();  // every thread's copies of this tile are visible
 #ifdef KV_CACHE_FP8
         for (int e = threadIdx.x; e < KV_TILE * HEAD_DIM / 8; e += PREFILL_THREADS) {  // 8 codes of K and of V a turn
@@ -536,13 +557,21 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
         }
         __syncthreads();  // the tile is in bfloat16
         const int tb = 0;
-#else
+#elif !defined(PREFILL_WGMMA)
         const int tb = buf;
 #endif
 
-        // S = Q K^T, unscaled. K's B fragments for 32 dims at once: lanes 8i..8i+7 address
-        // the block's 8 positions at dims kk * 16 + 8i.. (i = 0..3: k-steps kk and kk + 1).
-        float s[POS_BLOCKS][4];  // C fragments: {row, cols 2q, 2q+1}, {row + 8, cols 2q, 2q+1}
+        float s[POS_BLOCKS][4];  // S = Q K^T, unscaled: C fragments {row, cols 2q, 2q+1}, {row + 8, cols 2q, 2q+1}
+#if defined(PREFILL_WGMMA)
+        wgmma_fence(q, s);
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; kk++)  // (a descriptor's address counts 16 bytes)
+            wgmma_m64n64k16<0>(s, q[kk], sw128_descriptor(tile_s(0, buf)) + 2 * kk, kk > 0);
+        wgmma_commit();
+        wgmma_wait(s);
+#else
+        // K's B fragments for 32 dims at once: lanes 8i..8i+7 address the block's 8
+        // positions at dims kk * 16 + 8i.. (i = 0..3: k-steps kk and kk + 1).
 #pragma unroll
         for (int jb = 0; jb < POS_BLOCKS; jb++) {
             s[jb][0] = s[jb][1] = s[jb][2] = s[jb][3] = 0.f;
@@ -554,6 +583,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
                 mma_bf16(s[jb], q[kk + 1], b[2], b[3]);
             }
         }
+#endif
         if constexpr (decltype(masked)::value) {  // the partition's end; causal
 #pragma unroll
             for (int jb = 0; jb < POS_BLOCKS; jb++)
@@ -584,8 +614,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
             o[j][2] *= rescale[1]; o[j][3] *= rescale[1];
         }
         // P as A fragments, one per 16 positions (two score blocks), then O += P V.
-#pragma unroll
-        for (int kk = 0; kk < KV_TILE / 16; kk++) {
+        auto p_fragment = [&](int kk, uint32_t (&a)[4]) {
             float p[2][4];
 #pragma unroll
             for (int h = 0; h < 2; h++)
@@ -594,8 +623,24 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
                     p[h][c] = exp2_approx(fmaf(s[2 * kk + h][c], scale_log2, -ref[c >> 1]));  // 0 where masked
                     l_run[c >> 1] += p[h][c];
                 }
-            const uint32_t a[4] = {pack_bf16(p[0][0], p[0][1]), pack_bf16(p[0][2], p[0][3]),
-                                   pack_bf16(p[1][0], p[1][1]), pack_bf16(p[1][2], p[1][3])};
+            a[0] = pack_bf16(p[0][0], p[0][1]), a[1] = pack_bf16(p[0][2], p[0][3]);
+            a[2] = pack_bf16(p[1][0], p[1][1]), a[3] = pack_bf16(p[1][2], p[1][3]);
+        };
+#if defined(PREFILL_WGMMA)
+        uint32_t a[KV_TILE / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < KV_TILE / 16; kk++) p_fragment(kk, a[kk]);
+        wgmma_fence(a, o);
+#pragma unroll
+        for (int kk = 0; kk < KV_TILE / 16; kk++)  // (16 rows of 128 bytes a k step)
+            wgmma_m64n64k16<1>(o, a[kk], sw128_descriptor(tile_s(1, buf)) + 128 * kk, 1);
+        wgmma_commit();
+        wgmma_wait(o);
+#else
+#pragma unroll
+        for (int kk = 0; kk < KV_TILE / 16; kk++) {
+            uint32_t a[4];
+            p_fragment(kk, a);
             // V's B fragments for dim blocks j and j + 1: lanes 0-15 address positions kk * 16 + 0..15
             // at dims j * 8.., lanes 16-31 the same positions at dims (j + 1) * 8..
 #pragma unroll
@@ -606,6 +651,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
                 mma_bf16(o[j + 1], a, b[2], b[3]);
             }
         }
+#endif
         __syncthreads();  // every warp is done with this buffer before the next tile but one is copied into it
     };
     int tile = begin, buf = 0;

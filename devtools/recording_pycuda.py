@@ -179,6 +179,9 @@ def _modules(memory: _Memory, launches: list[Launch]) -> dict[str, types.ModuleT
         def allocate(self, nbytes: int) -> int:
             return memory.allocate(nbytes)
 
+        def stop_holding(self) -> None:
+            pass
+
     compiler.SourceModule, tools.DeviceMemoryPool = SourceModule, DeviceMemoryPool
     driver.function_attribute = FUNCTION_ATTRIBUTES
     pycuda.driver, pycuda.gpuarray, pycuda.compiler, pycuda.tools = driver, gpuarray, compiler, tools

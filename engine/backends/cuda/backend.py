@@ -115,6 +115,14 @@ class CudaBackend:
         self.graphs: StepGraphs | None = None
         self._previous_samples: dict[Sequence, int] = {}  # where the last step's tokens sit in `sampled`
 
+    def __del__(self):
+        # PyCUDA's memory pool frees the blocks it holds when it is destroyed, and aborts
+        # the process if no context is current then (as at a script's end): free them
+        # now, with ours, and let later frees go straight to the driver.
+        if getattr(self, "pool", None) is not None:
+            with self._context():
+                self.pool.stop_holding()
+
     @contextlib.contextmanager
     def _context(self):
         """Make our context current on the calling thread (the engine thread, in serving)."""

@@ -83,6 +83,12 @@ def prefill_query_rows(group: int) -> int:
     return PREFILL_M_TILE // group
 
 
+def nvcc_target(arch: str) -> dict[str, str]:
+    """SourceModule's `arch` and `code` for a device's "sm_XY": on Hopper, sm_90a, whose
+    wgmma instructions prompt attention takes (wgmma.cuh); the architecture itself elsewhere."""
+    return {"arch": "compute_90a", "code": "sm_90a"} if arch == "sm_90" else {"arch": arch}
+
+
 def rope_and_cache_threads(heads: int, kv_heads: int, head_dim: int) -> int:
     """rope_and_cache's block: a thread per rotated pair of q and k, at most 1024 (it loops)."""
     return min(1024, (heads + kv_heads) * head_dim // 2)
@@ -239,10 +245,11 @@ class Kernels:
         modules, self.functions, self._resident = {}, {}, {}
         options = (["-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"] + (["-DKV_CACHE_FP8"] if kv_cache_fp8 else [])
                    + (["-DPROGRAMMATIC_LAUNCH"] if programmatic else []))
+        target = nvcc_target(arch)
         for name, (file, signature) in SIGNATURES.items():
             if file not in modules:
-                modules[file] = SourceModule((sources / file).read_text(), no_extern_c=True, arch=arch, options=options,
-                                             include_dirs=[str(sources)])
+                modules[file] = SourceModule((sources / file).read_text(), no_extern_c=True, options=options,
+                                             include_dirs=[str(sources.resolve())], **target)  # (nvcc runs elsewhere)
             fn = modules[file].get_function(name)
             fn.prepare(signature)
             if file == "skinny_gemm.cu":  # (over the 48 KB a block takes without opting in)
