@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
+from engine.backends.cuda.kernels import CUDA_SRC, nvcc_target
+
 NVCC = shutil.which("nvcc") or next((str(p) for p in Path("/usr/local/cuda/bin").glob("nvcc")), None)
 SOURCES = sorted(CUDA_SRC.glob("*.cu"))
-HOPPER = ["-arch=compute_90a", "-code=sm_90a"]
+HOPPER = [f"-{option}={value}" for option, value in nvcc_target("sm_90").items()]  # as the engine builds there
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed (CI and the development machines have it)")
 
 
