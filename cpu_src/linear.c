@@ -34,6 +34,13 @@
 //
 // Tiles of w are shared out among the threads (pool.c); each is read once for up to
 // X_ROWS rows of x.
+//
+// AMX: where the CPU has Intel's tile unit (AMX-INT8) and the OS lets the process use
+// it, int8 products of many rows multiply a block on it: a tile's block of codes is
+// exactly AMX's B operand (slot c is B's row c: 16 columns of 4 bytes), x's rows the A
+// operand, and one tdpbsud gives the int32 sums of 16 rows' 8 vpdpbusd each; they are
+// scaled to float32 by the same instructions as with vpdpbusd, so the outputs are bit
+// for bit the same. The scaling is then most of the work.
 #include "common.h"
 
 #define TILE_ROWS 16  // weight rows of a tile (TILE_LAYOUT)
@@ -248,6 +255,125 @@ static inline __attribute__((always_inline)) void tile_rows(const int rows, cons
     }
 #endif
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && LANES == 16
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16  // rows of x a tile multiply takes (a tile's 16 rows)
+// The rows from which a product is faster on the tile unit (measured on a Xeon: u4's
+// codes must first be widened to bytes, which costs vpdpbusd's savings at 8 rows).
+#define AMX_LEAST_ROWS(bits) ((bits) == 4 ? 16 : 8)
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx;  // whether int8 products use the tile unit (use_amx)
+static _Thread_local int amx_rows;  // the rows of x this thread's tiles are configured for
+
+// Asks the OS for the tile registers' state (Linux grants it per process) and says
+// whether int8 products will use them: `on` where the OS allowed it.
+int use_amx(int on) {
+    amx = on && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx;
+}
+
+// Tiles 0 and 3: the int32 sums C [rows, 16]; 1 and 4: x's block A [rows, 32 bytes];
+// 2 and 5: the codes B [8, 64 bytes]. (Two sets: a block's sums are scaled while the
+// next block's multiply runs.)
+static void configure_tiles(int rows) {
+    if (amx_rows == rows) return;
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t bytes[16];
+        uint8_t rows[16];
+    } config = {.palette = 1};
+    for (int set = 0; set < 6; set += 3) {
+        config.rows[set] = config.rows[set + 1] = (uint8_t)rows, config.bytes[set] = 64, config.bytes[set + 1] = BLOCK;
+        config.rows[set + 2] = BLOCK / 4, config.bytes[set + 2] = 64;
+    }
+    _tile_loadconfig(&config);
+    amx_rows = rows;
+}
+
+// Leaves the tiles unused: a thread switched out while its tiles are in use has their
+// 8 KB saved and restored.
+static void release_tiles(void) {
+    _tile_release();
+    amx_rows = 0;
+}
+
+// The sums of x's rows with a block's codes into sums, on tiles c (the sums), a (x)
+// and b (the codes): numbers, as the instructions take them.
+#define TILE_BLOCK(c, a, b, codes, x, kp, sums) \
+    do {                                        \
+        _tile_loadd(b, codes, 64);              \
+        _tile_loadd(a, x, kp);                  \
+        _tile_zero(c);                          \
+        _tile_dpbsud(c, a, b);                  \
+        _tile_stored(c, sums, 64);              \
+    } while (0)
+
+// tile_rows on the tile unit: `rows` (<= AMX_ROWS) int8 rows of x against a tile of u4
+// or u8 codes. u4 codes are widened to bytes for the whole panel first (the tile unit
+// reads bytes, and from memory: a block widened just before it is multiplied would wait
+// for its stores). Block b's sums are scaled lane by lane, as tile_dot does, while block
+// b + 1's multiply runs.
+static inline __attribute__((always_inline)) void amx_tile_rows(const int rows, const int bits, float *y, int ldy,
+                                                                int count, int add, const char *xq, const float *sx,
+                                                                const float *xs, int kp, int nb, int pb,
+                                                                const uint8_t *q, const struct scales *sc, size_t at) {
+    static _Thread_local uint8_t widened[PANEL / BLOCK][TILE_ROWS * BLOCK] __attribute__((aligned(64)));
+    int32_t sums[2][AMX_ROWS * LANES] __attribute__((aligned(64)));
+    const int block_bytes = TILE_ROWS * BLOCK * bits / 8;
+    const uint8_t *codes = q;
+    if (bits == 4) {
+        for (int b = 0; b < pb; b++) {
+            prefetch(q + (size_t)b * block_bytes + AHEAD, block_bytes);
+            for (int c = 0; c < 4; c++) {
+                const ivec v = bytes_at(q + (size_t)b * block_bytes + 64 * c, 1);
+                _mm512_store_si512(widened[b] + 64 * c, low_nibbles(v, 1));
+                _mm512_store_si512(widened[b] + 64 * (c + 4), high_nibbles(v, 1));
+            }
+        }
+        codes = widened[0];
+    }
+    fvec acc[AMX_ROWS];
+    #pragma GCC unroll 16
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = F(setzero_ps)();
+    TILE_BLOCK(0, 1, 2, codes, xq, kp, sums[0]);
+    for (int b = 0; b < pb; b++) {
+        if (b + 1 < pb) {
+            const uint8_t *next = codes + (size_t)(b + 1) * TILE_ROWS * BLOCK;  // (bytes: u8, or u4 widened)
+            if (bits == 8) prefetch(next + AHEAD, block_bytes);
+            if (b % 2 == 0) TILE_BLOCK(3, 4, 5, next, xq + (b + 1) * BLOCK, kp, sums[1]);
+            else TILE_BLOCK(0, 1, 2, next, xq + (b + 1) * BLOCK, kp, sums[0]);
+        }
+        const size_t i = at + (size_t)b * TILE_ROWS;
+        const fvec d = scales_at(sc->d, i, sc->half), m = offsets_at(sc, i, d);
+        const int32_t *s = sums[b % 2];
+        #pragma GCC unroll 16
+        for (int r = 0; r < AMX_ROWS; r++) {
+            if (r >= rows) break;
+            const fvec f = F(cvtepi32_ps)(_mm512_load_si512(s + r * LANES));
+            acc[r] = F(fmadd_ps)(f, F(mul_ps)(d, F(set1_ps)(sx[(size_t)r * nb + b])), acc[r]);
+            acc[r] = F(fmadd_ps)(m, F(set1_ps)(xs[(size_t)r * nb + b]), acc[r]);
+        }
+    }
+    #pragma GCC unroll 16
+    for (int r = 0; r < AMX_ROWS; r++)
+        if (r < rows) store_lanes(y + (size_t)r * ldy, acc[r], count, add);
+}
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#define AMX_ROWS X_ROWS
+#define AMX_LEAST_ROWS(bits) 1
+static const int amx = 0;
+int use_amx(int on) {
+    (void)on;
+    return 0;
+}
+#endif
+
 struct linear_q_args {
     float *y;
     int ldy, m, kp, n, bits, act;
@@ -270,8 +396,9 @@ static void linear_q_tiles(void *ctx, int begin, int end) {
     const int nb = a->kp / BLOCK, ldy = a->ldy, kp = a->kp, padded = (a->n + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     // (a tile of x's rows against every weight tile of the chunk, a panel at a time: the
     // rows' panel stays in L1 while the chunk's tiles come from L2 or memory)
-    for (int r = 0; r < a->m; r += X_ROWS) {
-        const int rows = a->m - r < X_ROWS ? a->m - r : X_ROWS;
+    const int tiled = amx && a->act == 1 && a->m >= AMX_LEAST_ROWS(a->bits), step = tiled ? AMX_ROWS : X_ROWS;
+    for (int r = 0; r < a->m; r += step) {
+        const int rows = a->m - r < step ? a->m - r : step;
         for (int c0 = 0; c0 < kp; c0 += PANEL) {
             const int pk = kp - c0 < PANEL ? kp - c0 : PANEL, pb = pk / BLOCK, add = c0 > 0;
             const uint8_t *codes = a->codes + (size_t)padded * c0 * a->bits / 8;
@@ -283,6 +410,14 @@ static void linear_q_tiles(void *ctx, int begin, int end) {
                 const size_t at = (size_t)t * pb * TILE_ROWS;
                 const int count = a->n - t * TILE_ROWS;
                 float *yr = a->y + (size_t)r * ldy + t * TILE_ROWS;
+#if HAVE_AMX
+                if (tiled) {
+                    configure_tiles(rows);
+                    if (a->bits == 4) amx_tile_rows(rows, 4, yr, ldy, count, add, xr, sr, xsr, kp, nb, pb, q, &sc, at);
+                    else amx_tile_rows(rows, 8, yr, ldy, count, add, xr, sr, xsr, kp, nb, pb, q, &sc, at);
+                    continue;
+                }
+#endif
                 if (a->bits == 4 && a->act == 1) {
                     FOR_ROWS(tile_rows, rows, 4, 1, yr, ldy, count, add, xr, sr, xsr, kp, nb, pb, q, &sc, at)
                 } else if (a->bits == 4) {
@@ -295,6 +430,9 @@ static void linear_q_tiles(void *ctx, int begin, int end) {
             }
         }
     }
+#if HAVE_AMX
+    if (tiled) release_tiles();
+#endif
 }
 
 // y[M, N] (row stride ldy) = x[M, k] (row stride ldx) @ w^T, w in u4 (bits 4) or u8

@@ -145,6 +145,25 @@ def test_partial_tiles_and_panels_multiply_as_whole_ones(product_kernels, n, k, 
         assert_multiplies_as_dequantized(product_kernels, weight, x, activations)
 
 
+@pytest.mark.parametrize("rows", [8, 16, 21, 40])  # (AMX takes u8 from 8 rows, u4 from 16, 16 at a time)
+def test_int8_products_on_the_tile_unit_equal_the_vector_ones_bit_for_bit(kernels, rows):
+    """Where the CPU has AMX, int8 products of many rows run on it: the same int32 sums of
+    each block, scaled by the same instructions, as the kernels built without it give."""
+    if not kernels.amx:
+        pytest.skip("this CPU has no AMX tile unit the OS lets us use")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_kernels, "FLAGS", cpu_kernels.FLAGS + ("-mno-amx-tile", "-mno-amx-int8"))
+        vector = CpuKernels(threads=2)
+    assert not vector.amx
+    n, k = 40, 4352  # (a partial tile; panels of 2048, 2048, 256)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    for weight in (_gguf(w, GGML.Q4_1), _gguf(w, GGML.Q8_0), _gguf(w, GGML.Q4_0), _int4(n, k, 128, act_order=True)):
+        linear = repack(weight, "int8")
+        assert np.array_equal(linear(kernels, x), linear(vector, x)), f"{weight!r:.60}"
+        assert_multiplies_as_dequantized(kernels, weight, x, "int8")
+
+
 def test_int8_activations_err_as_much_as_their_rounding_allows(kernels):
     """The premise of int8: a product's error against float32 activations is bounded by
     half a step of each block's quantization, and is ~1e-2 of the output's magnitude."""

@@ -32,6 +32,7 @@ log = logging.getLogger("llamastream.engine")
 
 P, I, F, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
 SIGNATURES = {  # function: argument types (as in cpu_src/)
+    "use_amx": (I,),
     "linear_q_packed": (P,),
     "linear_float_packed": (P,),
     "rms_norm": (P, P, P, P, I, I, F),
@@ -104,6 +105,9 @@ class CpuKernels:
             setattr(self, name, fn)
         self.threads = threads
         self.library.set_threads(threads)
+        self.library.use_amx.restype = ctypes.c_int
+        # int8 products of many rows on the CPU's tile unit, where it has one (linear.c)
+        self.amx = bool(self.library.use_amx(1))
 
 
 def addr(a: np.ndarray | None) -> int | None:
