@@ -312,38 +312,37 @@ static void release_tiles(void) {
         _tile_stored(c, sums, 64);              \
     } while (0)
 
-// tile_rows on the tile unit: `rows` (<= AMX_ROWS) int8 rows of x against a tile of u4
-// or u8 codes. u4 codes are widened to bytes for the whole panel first (the tile unit
-// reads bytes, and from memory: a block widened just before it is multiplied would wait
-// for its stores). Block b's sums are scaled lane by lane, as tile_dot does, while block
-// b + 1's multiply runs.
-static inline __attribute__((always_inline)) void amx_tile_rows(const int rows, const int bits, float *y, int ldy,
-                                                                int count, int add, const char *xq, const float *sx,
-                                                                const float *xs, int kp, int nb, int pb,
-                                                                const uint8_t *q, const struct scales *sc, size_t at) {
-    static _Thread_local uint8_t widened[PANEL / BLOCK][TILE_ROWS * BLOCK] __attribute__((aligned(64)));
-    int32_t sums[2][AMX_ROWS * LANES] __attribute__((aligned(64)));
-    const int block_bytes = TILE_ROWS * BLOCK * bits / 8;
-    const uint8_t *codes = q;
-    if (bits == 4) {
-        for (int b = 0; b < pb; b++) {
-            prefetch(q + (size_t)b * block_bytes + AHEAD, block_bytes);
-            for (int c = 0; c < 4; c++) {
-                const ivec v = bytes_at(q + (size_t)b * block_bytes + 64 * c, 1);
-                _mm512_store_si512(widened[b] + 64 * c, low_nibbles(v, 1));
-                _mm512_store_si512(widened[b] + 64 * (c + 4), high_nibbles(v, 1));
-            }
+// A tile's panel of pb blocks of u4 codes (TILE_LAYOUT), widened to a byte a code in
+// the same layout: the tile unit reads bytes, and from memory (a block widened just
+// before its multiply would wait for its stores).
+static void widen_u4(uint8_t *out, const uint8_t *q, int pb) {
+    const int block_bytes = TILE_ROWS * BLOCK / 2;
+    for (int b = 0; b < pb; b++) {
+        prefetch(q + (size_t)b * block_bytes + AHEAD, block_bytes);
+        for (int c = 0; c < 4; c++) {  // (slot c in the low nibbles, slot c + 4 in the high)
+            const ivec v = bytes_at(q + (size_t)b * block_bytes + 64 * c, 1);
+            _mm512_store_si512(out + (size_t)b * 2 * block_bytes + 64 * c, low_nibbles(v, 1));
+            _mm512_store_si512(out + (size_t)b * 2 * block_bytes + 64 * (c + 4), high_nibbles(v, 1));
         }
-        codes = widened[0];
     }
+}
+
+// tile_rows on the tile unit: `rows` (<= AMX_ROWS) int8 rows of x against a tile's
+// panel of pb blocks of byte codes (u8, or u4 widened). Block b's sums are scaled lane
+// by lane, as tile_dot does, while block b + 1's multiply runs.
+static void amx_tile_rows(int rows, float *y, int ldy, int count, int add, const char *xq, const float *sx,
+                          const float *xs, int kp, int nb, int pb, const uint8_t *codes, const struct scales *sc,
+                          size_t at, int prefetching) {
+    const int block_bytes = TILE_ROWS * BLOCK;
+    int32_t sums[2][AMX_ROWS * LANES] __attribute__((aligned(64)));
     fvec acc[AMX_ROWS];
     #pragma GCC unroll 16
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = F(setzero_ps)();
     TILE_BLOCK(0, 1, 2, codes, xq, kp, sums[0]);
     for (int b = 0; b < pb; b++) {
         if (b + 1 < pb) {
-            const uint8_t *next = codes + (size_t)(b + 1) * TILE_ROWS * BLOCK;  // (bytes: u8, or u4 widened)
-            if (bits == 8) prefetch(next + AHEAD, block_bytes);
+            const uint8_t *next = codes + (size_t)(b + 1) * block_bytes;
+            if (prefetching) prefetch(next + AHEAD, block_bytes);
             if (b % 2 == 0) TILE_BLOCK(3, 4, 5, next, xq + (b + 1) * BLOCK, kp, sums[1]);
             else TILE_BLOCK(0, 1, 2, next, xq + (b + 1) * BLOCK, kp, sums[0]);
         }
@@ -362,6 +361,7 @@ static inline __attribute__((always_inline)) void amx_tile_rows(const int rows, 
     for (int r = 0; r < AMX_ROWS; r++)
         if (r < rows) store_lanes(y + (size_t)r * ldy, acc[r], count, add);
 }
+
 #define HAVE_AMX 1
 #else
 #define HAVE_AMX 0
@@ -390,15 +390,46 @@ static inline struct scales panel_scales(const struct scales *s, size_t i) {
                            s->z ? s->z + i : NULL, s->half, s->zero};
 }
 
+#if HAVE_AMX
+// Tiles [begin, end) of linear_q on the tile unit: a tile's panel against every row
+// of x, AMX_ROWS at a time (its u4 codes widened once for all of them).
+static void amx_tiles(const struct linear_q_args *a, int begin, int end) {
+    static _Thread_local uint8_t widened[PANEL / BLOCK * TILE_ROWS * BLOCK] __attribute__((aligned(64)));
+    const int nb = a->kp / BLOCK, kp = a->kp, padded = (a->n + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    for (int t = begin; t < end; t++) {
+        for (int c0 = 0; c0 < kp; c0 += PANEL) {
+            const int pk = kp - c0 < PANEL ? kp - c0 : PANEL, pb = pk / BLOCK;
+            const uint8_t *q = a->codes + (size_t)padded * c0 * a->bits / 8 + (size_t)t * TILE_ROWS * pk * a->bits / 8;
+            const struct scales sc = panel_scales(&a->scales, (size_t)padded * (c0 / BLOCK));
+            if (a->bits == 4) widen_u4(widened, q, pb);
+            for (int r = 0; r < a->m; r += AMX_ROWS) {
+                const int rows = a->m - r < AMX_ROWS ? a->m - r : AMX_ROWS;
+                configure_tiles(rows);
+                amx_tile_rows(rows, a->y + (size_t)r * a->ldy + t * TILE_ROWS, a->ldy, a->n - t * TILE_ROWS, c0 > 0,
+                              a->xq + (size_t)r * kp + c0, a->sx + (size_t)r * nb + c0 / BLOCK,
+                              a->xs + (size_t)r * nb + c0 / BLOCK, kp, nb, pb, a->bits == 4 ? widened : q, &sc,
+                              (size_t)t * pb * TILE_ROWS, a->bits == 8 && r == 0);
+            }
+        }
+    }
+    release_tiles();
+}
+#endif
+
 // Tiles [begin, end) of linear_q.
 static void linear_q_tiles(void *ctx, int begin, int end) {
     const struct linear_q_args *a = ctx;
+#if HAVE_AMX
+    if (amx && a->act == 1 && a->m >= AMX_LEAST_ROWS(a->bits)) {
+        amx_tiles(a, begin, end);
+        return;
+    }
+#endif
     const int nb = a->kp / BLOCK, ldy = a->ldy, kp = a->kp, padded = (a->n + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     // (a tile of x's rows against every weight tile of the chunk, a panel at a time: the
     // rows' panel stays in L1 while the chunk's tiles come from L2 or memory)
-    const int tiled = amx && a->act == 1 && a->m >= AMX_LEAST_ROWS(a->bits), step = tiled ? AMX_ROWS : X_ROWS;
-    for (int r = 0; r < a->m; r += step) {
-        const int rows = a->m - r < step ? a->m - r : step;
+    for (int r = 0; r < a->m; r += X_ROWS) {
+        const int rows = a->m - r < X_ROWS ? a->m - r : X_ROWS;
         for (int c0 = 0; c0 < kp; c0 += PANEL) {
             const int pk = kp - c0 < PANEL ? kp - c0 : PANEL, pb = pk / BLOCK, add = c0 > 0;
             const uint8_t *codes = a->codes + (size_t)padded * c0 * a->bits / 8;
@@ -410,14 +441,6 @@ static void linear_q_tiles(void *ctx, int begin, int end) {
                 const size_t at = (size_t)t * pb * TILE_ROWS;
                 const int count = a->n - t * TILE_ROWS;
                 float *yr = a->y + (size_t)r * ldy + t * TILE_ROWS;
-#if HAVE_AMX
-                if (tiled) {
-                    configure_tiles(rows);
-                    if (a->bits == 4) amx_tile_rows(rows, 4, yr, ldy, count, add, xr, sr, xsr, kp, nb, pb, q, &sc, at);
-                    else amx_tile_rows(rows, 8, yr, ldy, count, add, xr, sr, xsr, kp, nb, pb, q, &sc, at);
-                    continue;
-                }
-#endif
                 if (a->bits == 4 && a->act == 1) {
                     FOR_ROWS(tile_rows, rows, 4, 1, yr, ldy, count, add, xr, sr, xsr, kp, nb, pb, q, &sc, at)
                 } else if (a->bits == 4) {
@@ -430,9 +453,6 @@ static void linear_q_tiles(void *ctx, int begin, int end) {
             }
         }
     }
-#if HAVE_AMX
-    if (tiled) release_tiles();
-#endif
 }
 
 // y[M, N] (row stride ldy) = x[M, k] (row stride ldx) @ w^T, w in u4 (bits 4) or u8
