@@ -41,6 +41,7 @@
 // operand, and one tdpbsud gives the int32 sums of 16 rows' 8 vpdpbusd each; they are
 // scaled to float32 by the same instructions as with vpdpbusd, so the outputs are bit
 // for bit the same. The scaling is then most of the work.
+#define _DEFAULT_SOURCE  // (syscall, for AMX's permission)
 #include "common.h"
 
 #define TILE_ROWS 16  // weight rows of a tile (TILE_LAYOUT)
