@@ -55,9 +55,11 @@
 
 // xq, sx and xs (= sx * sum(xq) per block) of one row x[:k] (columns perm[c] where
 // perm is given: act-order checkpoints), zero-padded to kp columns; xq int8 (act 1) or
-// int16 (act 2).
+// int16 (act 2), or, where `planes` (for the tile unit, which multiplies bytes), int16
+// as two planes of kp bytes: the high bytes (signed), then the low ones (unsigned).
 static inline __attribute__((always_inline)) void quantize_row(const float *x, int k, int kp, const int32_t *perm,
-                                                               const int act, void *xq, float *sx, float *xs) {
+                                                               const int act, const int planes, void *xq, float *sx,
+                                                               float *xs) {
     const float levels = act == 1 ? 127.0f : 32767.0f;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < kp / BLOCK; b++) {
@@ -75,8 +77,15 @@ static inline __attribute__((always_inline)) void quantize_row(const float *x, i
             const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + j), inv));
             sum = _mm256_add_epi32(sum, r);
             const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-            if (act == 1) _mm_storel_epi64((__m128i *)((int8_t *)xq + b * BLOCK + j), _mm_packs_epi16(words, words));
-            else _mm_storeu_si128((__m128i *)((int16_t *)xq + b * BLOCK + j), words);
+            if (act == 1) {
+                _mm_storel_epi64((__m128i *)((int8_t *)xq + b * BLOCK + j), _mm_packs_epi16(words, words));
+            } else if (planes) {
+                const __m128i high = _mm_srai_epi16(words, 8), low = _mm_and_si128(words, _mm_set1_epi16(0xFF));
+                _mm_storel_epi64((__m128i *)((int8_t *)xq + b * BLOCK + j), _mm_packs_epi16(high, high));
+                _mm_storel_epi64((__m128i *)((uint8_t *)xq + kp + b * BLOCK + j), _mm_packus_epi16(low, low));
+            } else {
+                _mm_storeu_si128((__m128i *)((int16_t *)xq + b * BLOCK + j), words);
+            }
         }
         sx[b] = top / levels;
         xs[b] = top / levels * (float)hsum(_mm256_cvtepi32_ps(sum));
@@ -261,25 +270,29 @@ static inline __attribute__((always_inline)) void tile_rows(const int rows, cons
 #include <unistd.h>
 
 #define AMX_ROWS 16  // rows of x a tile multiply takes (a tile's 16 rows)
-// The rows from which a product is faster on the tile unit (measured on a Xeon: u4's
-// codes must first be widened to bytes, which costs vpdpbusd's savings at 8 rows).
-#define AMX_LEAST_ROWS(bits) ((bits) == 4 ? 16 : 8)
+// The rows from which a product is faster on the tile unit than on the vector units
+// (measured on a Xeon's two cores, bench/HISTORY.md): 8, or 16 where its codes cost more
+// to lay out for it than the tile unit saves at 8 (u4 with int8 activations: widened;
+// u8 with int16: interleaved). int16 activations take two tile multiplies a block (their
+// high and low bytes) where vpdpwssd takes twice vpdpbusd's instructions.
+#define AMX_LEAST_ROWS(bits, act) ((act) == 1 ? ((bits) == 8 ? 8 : 16) : ((bits) == 4 ? 8 : 16))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-static int amx;  // whether int8 products use the tile unit (use_amx)
+static int amx;  // whether products use the tile unit (use_amx)
 static _Thread_local int amx_rows;  // the rows of x this thread's tiles are configured for
 
 // Asks the OS for the tile registers' state (Linux grants it per process) and says
-// whether int8 products will use them: `on` where the OS allowed it.
+// whether products will use them: `on` where the OS allowed it.
 int use_amx(int on) {
     amx = on && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return amx;
 }
 
-// Tiles 0 and 3: the int32 sums C [rows, 16]; 1 and 4: x's block A [rows, 32 bytes];
-// 2 and 5: the codes B [8, 64 bytes]. (Two sets: a block's sums are scaled while the
-// next block's multiply runs.)
+// Tiles 0 and 3: int32 sums C [rows, 16]; 1 and 4: x's block A [rows, 32 bytes]; 2 and
+// 5: the codes B [8, 64 bytes]. int8 activations use them as two sets (a block's sums
+// are scaled while the next block's multiply runs), int16 as one: a block's high and
+// low bytes of x (1 and 4) against its codes (2), into 0 and 3.
 static void configure_tiles(int rows) {
     if (amx_rows == rows) return;
     struct {
@@ -304,57 +317,92 @@ static void release_tiles(void) {
 
 // The sums of x's rows with a block's codes into sums, on tiles c (the sums), a (x)
 // and b (the codes): numbers, as the instructions take them.
-#define TILE_BLOCK(c, a, b, codes, x, kp, sums) \
-    do {                                        \
-        _tile_loadd(b, codes, 64);              \
-        _tile_loadd(a, x, kp);                  \
-        _tile_zero(c);                          \
-        _tile_dpbsud(c, a, b);                  \
-        _tile_stored(c, sums, 64);              \
+#define TILE_BLOCK(c, a, b, codes, x, ldx, sums) \
+    do {                                         \
+        _tile_loadd(b, codes, 64);               \
+        _tile_loadd(a, x, ldx);                  \
+        _tile_zero(c);                           \
+        _tile_dpbsud(c, a, b);                   \
+        _tile_stored(c, sums, 64);               \
     } while (0)
 
-// A tile's panel of pb blocks of u4 codes (TILE_LAYOUT), widened to a byte a code in
-// the same layout: the tile unit reads bytes, and from memory (a block widened just
-// before its multiply would wait for its stores).
-static void widen_u4(uint8_t *out, const uint8_t *q, int pb) {
-    const int block_bytes = TILE_ROWS * BLOCK / 2;
+// The same for int16 x as its planes: its high bytes (signed) at x, its low bytes
+// (unsigned) at x + low, into high and low sums: x's sums are 256 high + low.
+#define TILE_BLOCK_INT16(codes, x, low, ldx, sums)  \
+    do {                                            \
+        _tile_loadd(2, codes, 64);                  \
+        _tile_loadd(1, x, ldx);                     \
+        _tile_loadd(4, (x) + (low), ldx);           \
+        _tile_zero(0);                              \
+        _tile_zero(3);                              \
+        _tile_dpbsud(0, 1, 2);                      \
+        _tile_dpbuud(3, 4, 2);                      \
+        _tile_stored(0, sums[0], 64);               \
+        _tile_stored(3, sums[1], 64);               \
+    } while (0)
+
+// A tile's panel of pb blocks of codes (TILE_LAYOUT for `act`) as the tile unit reads
+// them: a byte a code, slot c of 4 codes a lane as B's row c. u4 codes are widened;
+// int16's layout (2 codes a lane a slot) has each pair of slots interleaved by 16-bit
+// lanes. (All of a panel first: a block prepared just before its multiply would wait for
+// its stores.)
+static void tile_codes(uint8_t *out, const uint8_t *q, int pb, const int bits, const int act) {
+    const int block_bytes = TILE_ROWS * BLOCK * bits / 8;
+    // (two slots of 16 lanes of 2 bytes, one after the other, to 16 lanes of 4 bytes)
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int b = 0; b < pb; b++) {
-        prefetch(q + (size_t)b * block_bytes + AHEAD, block_bytes);
-        for (int c = 0; c < 4; c++) {  // (slot c in the low nibbles, slot c + 4 in the high)
-            const ivec v = bytes_at(q + (size_t)b * block_bytes + 64 * c, 1);
-            _mm512_store_si512(out + (size_t)b * 2 * block_bytes + 64 * c, low_nibbles(v, 1));
-            _mm512_store_si512(out + (size_t)b * 2 * block_bytes + 64 * (c + 4), high_nibbles(v, 1));
+        const uint8_t *qb = q + (size_t)b * block_bytes;
+        uint8_t *ob = out + (size_t)b * TILE_ROWS * BLOCK;
+        prefetch(qb + AHEAD, block_bytes);
+        for (int c = 0; c < block_bytes / 64; c++) {
+            const ivec v = bytes_at(qb + 64 * c, 1);
+            if (bits == 8) {  // (int16's only: int8's u8 codes are read as they lie)
+                _mm512_store_si512(ob + 64 * c, _mm512_permutexvar_epi16(pairs, v));
+            } else if (act == 1) {  // slot c in the low nibbles, slot c + 4 in the high
+                _mm512_store_si512(ob + 64 * c, low_nibbles(v, 1));
+                _mm512_store_si512(ob + 64 * (c + 4), high_nibbles(v, 1));
+            } else {  // slots 2c and 2c + 1 in the low nibbles, 2c + 8 and 2c + 9 in the high
+                _mm512_store_si512(ob + 64 * c, _mm512_permutexvar_epi16(pairs, low_nibbles(v, 1)));
+                _mm512_store_si512(ob + 64 * (c + 4), _mm512_permutexvar_epi16(pairs, high_nibbles(v, 1)));
+            }
         }
     }
 }
 
-// tile_rows on the tile unit: `rows` (<= AMX_ROWS) int8 rows of x against a tile's
-// panel of pb blocks of byte codes (u8, or u4 widened). Block b's sums are scaled lane
-// by lane, as tile_dot does, while block b + 1's multiply runs.
-static void amx_tile_rows(int rows, float *y, int ldy, int count, int add, const char *xq, const float *sx,
-                          const float *xs, int kp, int nb, int pb, const uint8_t *codes, const struct scales *sc,
-                          size_t at, int prefetching) {
+// tile_rows on the tile unit: `rows` (<= AMX_ROWS) rows of x (int8, or int16 as two
+// planes `low` bytes apart), ldx bytes apart, against a tile's panel of pb blocks of
+// codes as tile_codes lays them out. A block's int32 sums, the same as vpdpbusd's or
+// vpdpwssd's, are scaled lane by lane as tile_dot does.
+static inline __attribute__((always_inline)) void amx_tile_rows(const int act, int rows, float *y, int ldy, int count,
+                                                                int add, const char *xq, int ldx, int low,
+                                                                const float *sx, const float *xs, int nb, int pb,
+                                                                const uint8_t *codes, const struct scales *sc,
+                                                                size_t at, int prefetching) {
     const int block_bytes = TILE_ROWS * BLOCK;
     int32_t sums[2][AMX_ROWS * LANES] __attribute__((aligned(64)));
     fvec acc[AMX_ROWS];
     #pragma GCC unroll 16
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = F(setzero_ps)();
-    TILE_BLOCK(0, 1, 2, codes, xq, kp, sums[0]);
+    if (act == 1) TILE_BLOCK(0, 1, 2, codes, xq, ldx, sums[0]);
     for (int b = 0; b < pb; b++) {
-        if (b + 1 < pb) {
-            const uint8_t *next = codes + (size_t)(b + 1) * block_bytes;
+        const uint8_t *next = codes + (size_t)(b + 1) * block_bytes;
+        if (act == 2) {
+            TILE_BLOCK_INT16(codes + (size_t)b * block_bytes, xq + b * BLOCK, low, ldx, sums);
+        } else if (b + 1 < pb) {
             if (prefetching) prefetch(next + AHEAD, block_bytes);
-            if (b % 2 == 0) TILE_BLOCK(3, 4, 5, next, xq + (b + 1) * BLOCK, kp, sums[1]);
-            else TILE_BLOCK(0, 1, 2, next, xq + (b + 1) * BLOCK, kp, sums[0]);
+            if (b % 2 == 0) TILE_BLOCK(3, 4, 5, next, xq + (b + 1) * BLOCK, ldx, sums[1]);
+            else TILE_BLOCK(0, 1, 2, next, xq + (b + 1) * BLOCK, ldx, sums[0]);
         }
         const size_t i = at + (size_t)b * TILE_ROWS;
         const fvec d = scales_at(sc->d, i, sc->half), m = offsets_at(sc, i, d);
-        const int32_t *s = sums[b % 2];
         #pragma GCC unroll 16
         for (int r = 0; r < AMX_ROWS; r++) {
             if (r >= rows) break;
-            const fvec f = F(cvtepi32_ps)(_mm512_load_si512(s + r * LANES));
-            acc[r] = F(fmadd_ps)(f, F(mul_ps)(d, F(set1_ps)(sx[(size_t)r * nb + b])), acc[r]);
+            const ivec s = act == 1 ? _mm512_load_si512(sums[b % 2] + r * LANES)
+                                    : _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0] + r * LANES), 8),
+                                                       _mm512_load_si512(sums[1] + r * LANES));
+            acc[r] = F(fmadd_ps)(F(cvtepi32_ps)(s), F(mul_ps)(d, F(set1_ps)(sx[(size_t)r * nb + b])), acc[r]);
             acc[r] = F(fmadd_ps)(m, F(set1_ps)(xs[(size_t)r * nb + b]), acc[r]);
         }
     }
@@ -362,12 +410,11 @@ static void amx_tile_rows(int rows, float *y, int ldy, int count, int add, const
     for (int r = 0; r < AMX_ROWS; r++)
         if (r < rows) store_lanes(y + (size_t)r * ldy, acc[r], count, add);
 }
-
 #define HAVE_AMX 1
 #else
 #define HAVE_AMX 0
 #define AMX_ROWS X_ROWS
-#define AMX_LEAST_ROWS(bits) 1
+#define AMX_LEAST_ROWS(bits, act) 1
 static const int amx = 0;
 int use_amx(int on) {
     (void)on;
@@ -377,7 +424,7 @@ int use_amx(int on) {
 
 struct linear_q_args {
     float *y;
-    int ldy, m, kp, n, bits, act;
+    int ldy, m, kp, n, bits, act, tiled;  // tiled: on the tile unit (x quantized for it)
     const char *xq;
     const float *sx, *xs;
     const uint8_t *codes;
@@ -393,23 +440,34 @@ static inline struct scales panel_scales(const struct scales *s, size_t i) {
 
 #if HAVE_AMX
 // Tiles [begin, end) of linear_q on the tile unit: a tile's panel against every row
-// of x, AMX_ROWS at a time (its u4 codes widened once for all of them).
+// of x, AMX_ROWS at a time (its codes laid out for the tile unit once for all of them).
 static void amx_tiles(const struct linear_q_args *a, int begin, int end) {
-    static _Thread_local uint8_t widened[PANEL / BLOCK * TILE_ROWS * BLOCK] __attribute__((aligned(64)));
+    static _Thread_local uint8_t laid_out[PANEL / BLOCK * TILE_ROWS * BLOCK] __attribute__((aligned(64)));
     const int nb = a->kp / BLOCK, kp = a->kp, padded = (a->n + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    const int act = a->act, as_they_lie = a->bits == 8 && act == 1;
     for (int t = begin; t < end; t++) {
         for (int c0 = 0; c0 < kp; c0 += PANEL) {
             const int pk = kp - c0 < PANEL ? kp - c0 : PANEL, pb = pk / BLOCK;
             const uint8_t *q = a->codes + (size_t)padded * c0 * a->bits / 8 + (size_t)t * TILE_ROWS * pk * a->bits / 8;
             const struct scales sc = panel_scales(&a->scales, (size_t)padded * (c0 / BLOCK));
-            if (a->bits == 4) widen_u4(widened, q, pb);
+            if (!as_they_lie) {
+                if (a->bits == 4 && act == 1) tile_codes(laid_out, q, pb, 4, 1);
+                else if (a->bits == 4) tile_codes(laid_out, q, pb, 4, 2);
+                else tile_codes(laid_out, q, pb, 8, 2);
+            }
             for (int r = 0; r < a->m; r += AMX_ROWS) {
                 const int rows = a->m - r < AMX_ROWS ? a->m - r : AMX_ROWS;
+                float *y = a->y + (size_t)r * a->ldy + t * TILE_ROWS;
+                const char *x = a->xq + ((size_t)r * kp) * act + c0;  // (int16: its high bytes' plane)
+                const float *sx = a->sx + (size_t)r * nb + c0 / BLOCK, *xs = a->xs + (size_t)r * nb + c0 / BLOCK;
+                const uint8_t *codes = as_they_lie ? q : laid_out;
                 configure_tiles(rows);
-                amx_tile_rows(rows, a->y + (size_t)r * a->ldy + t * TILE_ROWS, a->ldy, a->n - t * TILE_ROWS, c0 > 0,
-                              a->xq + (size_t)r * kp + c0, a->sx + (size_t)r * nb + c0 / BLOCK,
-                              a->xs + (size_t)r * nb + c0 / BLOCK, kp, nb, pb, a->bits == 4 ? widened : q, &sc,
-                              (size_t)t * pb * TILE_ROWS, a->bits == 8 && r == 0);
+                if (act == 1)
+                    amx_tile_rows(1, rows, y, a->ldy, a->n - t * TILE_ROWS, c0 > 0, x, kp, 0, sx, xs, nb, pb, codes,
+                                  &sc, (size_t)t * pb * TILE_ROWS, as_they_lie && r == 0);
+                else
+                    amx_tile_rows(2, rows, y, a->ldy, a->n - t * TILE_ROWS, c0 > 0, x, 2 * kp, kp, sx, xs, nb, pb,
+                                  codes, &sc, (size_t)t * pb * TILE_ROWS, 0);
             }
         }
     }
@@ -421,7 +479,7 @@ static void amx_tiles(const struct linear_q_args *a, int begin, int end) {
 static void linear_q_tiles(void *ctx, int begin, int end) {
     const struct linear_q_args *a = ctx;
 #if HAVE_AMX
-    if (amx && a->act == 1 && a->m >= AMX_LEAST_ROWS(a->bits)) {
+    if (a->tiled) {
         amx_tiles(a, begin, end);
         return;
     }
@@ -463,14 +521,15 @@ static void linear_q_tiles(void *ctx, int begin, int end) {
 void linear_q(float *y, int ldy, const float *x, int ldx, int m, int k, const int32_t *perm, void *xq, float *sx,
               float *xs, int kp, const uint8_t *codes, const void *d, const void *mins, const uint8_t *zeros, int zero,
               int half, int n, int bits, int act) {
-    const int nb = kp / BLOCK, tiles = (n + TILE_ROWS - 1) / TILE_ROWS;
+    const int nb = kp / BLOCK, tiles = (n + TILE_ROWS - 1) / TILE_ROWS, tiled = amx && m >= AMX_LEAST_ROWS(bits, act);
     for (int r = 0; r < m; r++) {
         const float *row = x + (size_t)r * ldx;
         char *out = (char *)xq + (size_t)r * kp * act;
-        if (act == 1) quantize_row(row, k, kp, perm, 1, out, sx + (size_t)r * nb, xs + (size_t)r * nb);
-        else quantize_row(row, k, kp, perm, 2, out, sx + (size_t)r * nb, xs + (size_t)r * nb);
+        if (act == 1) quantize_row(row, k, kp, perm, 1, 0, out, sx + (size_t)r * nb, xs + (size_t)r * nb);
+        else if (tiled) quantize_row(row, k, kp, perm, 2, 1, out, sx + (size_t)r * nb, xs + (size_t)r * nb);
+        else quantize_row(row, k, kp, perm, 2, 0, out, sx + (size_t)r * nb, xs + (size_t)r * nb);
     }
-    struct linear_q_args a = {y, ldy, m, kp, n, bits, act, xq, sx, xs, codes, {d, mins, zeros, half, zero}};
+    struct linear_q_args a = {y, ldy, m, kp, n, bits, act, tiled, xq, sx, xs, codes, {d, mins, zeros, half, zero}};
     parallel_for(tiles, chunk_size(tiles, (size_t)m * n * kp, 1), linear_q_tiles, &a);
 }
 

@@ -145,10 +145,12 @@ def test_partial_tiles_and_panels_multiply_as_whole_ones(product_kernels, n, k, 
         assert_multiplies_as_dequantized(product_kernels, weight, x, activations)
 
 
-@pytest.mark.parametrize("rows", [8, 16, 21, 40])  # (AMX takes u8 from 8 rows, u4 from 16, 16 at a time)
-def test_int8_products_on_the_tile_unit_equal_the_vector_ones_bit_for_bit(kernels, rows):
-    """Where the CPU has AMX, int8 products of many rows run on it: the same int32 sums of
-    each block, scaled by the same instructions, as the kernels built without it give."""
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+@pytest.mark.parametrize("rows", [4, 8, 16, 21, 40])  # (AMX_LEAST_ROWS in linear.c; 16 rows at a time)
+def test_products_on_the_tile_unit_equal_the_vector_ones_bit_for_bit(kernels, rows, activations):
+    """Where the CPU has AMX, products of many rows run on it (int16 activations as their
+    high and low bytes): the same int32 sums of each block, scaled by the same
+    instructions, as the kernels built without it give."""
     if not kernels.amx:
         pytest.skip("this CPU has no AMX tile unit the OS lets us use")
     with pytest.MonkeyPatch.context() as patch:
@@ -159,9 +161,9 @@ def test_int8_products_on_the_tile_unit_equal_the_vector_ones_bit_for_bit(kernel
     w = rng.standard_normal((n, k)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     for weight in (_gguf(w, GGML.Q4_1), _gguf(w, GGML.Q8_0), _gguf(w, GGML.Q4_0), _int4(n, k, 128, act_order=True)):
-        linear = repack(weight, "int8")
+        linear = repack(weight, activations)
         assert np.array_equal(linear(kernels, x), linear(vector, x)), f"{weight!r:.60}"
-        assert_multiplies_as_dequantized(kernels, weight, x, "int8")
+        assert_multiplies_as_dequantized(kernels, weight, x, activations)
 
 
 def test_int8_activations_err_as_much_as_their_rounding_allows(kernels):
