@@ -36,11 +36,11 @@
 // X_ROWS rows of x.
 //
 // AMX: where the CPU has Intel's tile unit (AMX-INT8) and the OS lets the process use
-// it, int8 products of many rows multiply a block on it: a tile's block of codes is
-// exactly AMX's B operand (slot c is B's row c: 16 columns of 4 bytes), x's rows the A
-// operand, and one tdpbsud gives the int32 sums of 16 rows' 8 vpdpbusd each; they are
-// scaled to float32 by the same instructions as with vpdpbusd, so the outputs are bit
-// for bit the same. The scaling is then most of the work.
+// it, products of many rows multiply a block on it, 16 rows of x at a time: a tile's
+// block of codes, laid out for it (TILE_LAYOUT with int8's 4 codes a lane is already
+// its B operand), against x's block as A, int16 activations as two multiplies of their
+// high and low bytes. The int32 sums are those of vpdpbusd and vpdpwssd, scaled to
+// float32 by the same instructions, so the outputs are bit for bit the same.
 #define _DEFAULT_SOURCE  // (syscall, for AMX's permission)
 #include "common.h"
 
