@@ -235,8 +235,12 @@ def transformers_tps(path: Path, prompts: list[list[int]], new_tokens: int, thre
     try:
         import torch
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as transformers_logging
+        import accelerate  # noqa: F401 (transformers loads GGUF files only with it)
     except ImportError as e:
-        return None, f"{e.name or e} is not installed here (pip install torch transformers, to add this column)"
+        return None, (f"{e.name or e} is not installed here (pip install torch transformers accelerate, to add "
+                      "this column)")
+    transformers_logging.disable_progress_bar()  # (its loader's bars would break the table)
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     width = max(map(len, prompts))
