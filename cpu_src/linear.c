@@ -386,10 +386,10 @@ static inline __attribute__((always_inline)) void amx_tile_rows(const int act, i
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = F(setzero_ps)();
     if (act == 1) TILE_BLOCK(0, 1, 2, codes, xq, ldx, sums[0]);
     for (int b = 0; b < pb; b++) {
-        const uint8_t *next = codes + (size_t)(b + 1) * block_bytes;
         if (act == 2) {
             TILE_BLOCK_INT16(codes + (size_t)b * block_bytes, xq + b * BLOCK, low, ldx, sums);
         } else if (b + 1 < pb) {
+            const uint8_t *next = codes + (size_t)(b + 1) * block_bytes;
             if (prefetching) prefetch(next + AHEAD, block_bytes);
             if (b % 2 == 0) TILE_BLOCK(3, 4, 5, next, xq + (b + 1) * BLOCK, ldx, sums[1]);
             else TILE_BLOCK(0, 1, 2, next, xq + (b + 1) * BLOCK, ldx, sums[0]);

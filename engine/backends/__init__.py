@@ -78,6 +78,7 @@ def _cpu_backend(config: ModelConfig, weights: ModelWeights, threads: int | None
     from engine.backends.cpu.backend import CpuBackend, available_cores
 
     threads = threads or available_cores()
-    log.info("%s using the CPU backend on %d threads (integer products with %s activations)", why, threads,
-             activations)
-    return CpuBackend(config, weights, threads=threads, kv_cache_dtype=kv_cache_dtype, activations=activations)
+    backend = CpuBackend(config, weights, threads=threads, kv_cache_dtype=kv_cache_dtype, activations=activations)
+    log.info("%s using the CPU backend on %d threads (integer products with %s activations%s)", why, threads,
+             activations, ", of many rows on the AMX tile unit" if backend.kernels.amx else "")
+    return backend

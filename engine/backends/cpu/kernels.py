@@ -106,7 +106,7 @@ class CpuKernels:
         self.threads = threads
         self.library.set_threads(threads)
         self.library.use_amx.restype = ctypes.c_int
-        # int8 products of many rows on the CPU's tile unit, where it has one (linear.c)
+        # products of many rows on the CPU's AMX tile unit, where it has one (linear.c)
         self.amx = bool(self.library.use_amx(1))
 
 
