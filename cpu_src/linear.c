@@ -191,6 +191,13 @@ static inline fvec offsets_at(const struct scales *s, size_t i, fvec d) {
     return F(mul_ps)(F(sub_ps)(F(setzero_ps)(), d), z);
 }
 
+// acc + a block's int32 sums of lanes scaled to float32: d sx sums + m xs (xs = sx
+// sum(xq)). The one scaling of both the vector and the tile unit's products.
+static inline fvec scaled_sums(fvec acc, ivec sums, fvec d, fvec m, float sx, float xs) {
+    acc = F(fmadd_ps)(F(cvtepi32_ps)(sums), F(mul_ps)(d, F(set1_ps)(sx)), acc);
+    return F(fmadd_ps)(m, F(set1_ps)(xs), acc);
+}
+
 // acc[r] + the products of LANES rows of a tile of u4 or u8 (`bits`) codes q with rows
 // r < `rows` of x, over a panel's pb blocks: its scales from sc's `at` on, x[r] at xq
 // + r * kp (`act` bytes each; sx and xs at r * nb). `half`: which half of a tile's lanes
@@ -220,9 +227,8 @@ static inline __attribute__((always_inline)) void tile_dot(const int rows, const
             const char *x = xq + ((size_t)r * kp + b * BLOCK) * act;
             ivec s[2] = {ZERO_I(), ZERO_I()};  // (two chains of multiply-adds)
             for (int c = 0; c < slots; c++) s[c % 2] = dot_lanes(s[c % 2], w[c], x + 4 * c, act, bits);
-            const fvec sums = F(cvtepi32_ps)(F(add_epi32)(s[0], s[1]));
-            acc[r] = F(fmadd_ps)(sums, F(mul_ps)(d, F(set1_ps)(sx[(size_t)r * nb + b])), acc[r]);
-            acc[r] = F(fmadd_ps)(m, F(set1_ps)(xs[(size_t)r * nb + b]), acc[r]);
+            const size_t at_r = (size_t)r * nb + b;
+            acc[r] = scaled_sums(acc[r], F(add_epi32)(s[0], s[1]), d, m, sx[at_r], xs[at_r]);
         }
     }
 }
@@ -346,7 +352,7 @@ static void release_tiles(void) {
 // int16's layout (2 codes a lane a slot) has each pair of slots interleaved by 16-bit
 // lanes. (All of a panel first: a block prepared just before its multiply would wait for
 // its stores.)
-static void tile_codes(uint8_t *out, const uint8_t *q, int pb, const int bits, const int act) {
+static void tile_codes(uint8_t *out, const uint8_t *q, int pb, int bits, int act) {
     const int block_bytes = TILE_ROWS * BLOCK * bits / 8;
     // (two slots of 16 lanes of 2 bytes, one after the other, to 16 lanes of 4 bytes)
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
@@ -402,8 +408,7 @@ static inline __attribute__((always_inline)) void amx_tile_rows(const int act, i
             const ivec s = act == 1 ? _mm512_load_si512(sums[b % 2] + r * LANES)
                                     : _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0] + r * LANES), 8),
                                                        _mm512_load_si512(sums[1] + r * LANES));
-            acc[r] = F(fmadd_ps)(F(cvtepi32_ps)(s), F(mul_ps)(d, F(set1_ps)(sx[(size_t)r * nb + b])), acc[r]);
-            acc[r] = F(fmadd_ps)(m, F(set1_ps)(xs[(size_t)r * nb + b]), acc[r]);
+            acc[r] = scaled_sums(acc[r], s, d, m, sx[(size_t)r * nb + b], xs[(size_t)r * nb + b]);
         }
     }
     #pragma GCC unroll 16
@@ -450,11 +455,7 @@ static void amx_tiles(const struct linear_q_args *a, int begin, int end) {
             const int pk = kp - c0 < PANEL ? kp - c0 : PANEL, pb = pk / BLOCK;
             const uint8_t *q = a->codes + (size_t)padded * c0 * a->bits / 8 + (size_t)t * TILE_ROWS * pk * a->bits / 8;
             const struct scales sc = panel_scales(&a->scales, (size_t)padded * (c0 / BLOCK));
-            if (!as_they_lie) {
-                if (a->bits == 4 && act == 1) tile_codes(laid_out, q, pb, 4, 1);
-                else if (a->bits == 4) tile_codes(laid_out, q, pb, 4, 2);
-                else tile_codes(laid_out, q, pb, 8, 2);
-            }
+            if (!as_they_lie) tile_codes(laid_out, q, pb, a->bits, act);
             for (int r = 0; r < a->m; r += AMX_ROWS) {
                 const int rows = a->m - r < AMX_ROWS ? a->m - r : AMX_ROWS;
                 float *y = a->y + (size_t)r * a->ldy + t * TILE_ROWS;

@@ -31,6 +31,7 @@ COMPILER = os.environ.get("CC", "cc")
 log = logging.getLogger("llamastream.engine")
 
 P, I, F, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
+RETURNS = {"use_amx": ctypes.c_int}  # the functions that return something (the others: void)
 SIGNATURES = {  # function: argument types (as in cpu_src/)
     "use_amx": (I,),
     "linear_q_packed": (P,),
@@ -101,11 +102,10 @@ class CpuKernels:
         self.library = ctypes.CDLL(str(path))
         for name, argtypes in SIGNATURES.items():
             fn = getattr(self.library, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, RETURNS.get(name)
             setattr(self, name, fn)
         self.threads = threads
         self.library.set_threads(threads)
-        self.library.use_amx.restype = ctypes.c_int
         # products of many rows on the CPU's AMX tile unit, where it has one (linear.c)
         self.amx = bool(self.library.use_amx(1))
 
