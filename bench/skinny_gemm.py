@@ -1,6 +1,5 @@
-"""The skinny GEMMs (cuda_src/skinny_wgmma.cu for bfloat16 weights on Hopper,
-skinny_gemm.cu for the others) against what steps of 2 to 64 rows took before them, at
-the Llama 3.2 1B shape (random weights), in one run:
+"""The skinny GEMM (cuda_src/skinny_gemm.cu) against what steps of 2 to 64 rows took
+before it, at the Llama 3.2 1B shape (random weights), in one run:
 
 1. Each layer matrix times 2 to 64 rows, one product (replayed over the 16 layers'
    copies in a CUDA graph, bench/quantized.py's replay_us): cuBLAS in bfloat16 (an FP8
@@ -31,8 +30,7 @@ from bench.prefix_cache import GPU, cached_first_token, run_requests  # noqa: E4
 from bench.quantized import BANDWIDTH, FORMATS, bf16_rows, layer_matrices, replay_us  # noqa: E402
 from devtools.checkpoints import LLAMA_32_1B, make_model  # noqa: E402
 from engine.backends.cuda.backend import CudaBackend  # noqa: E402
-from engine.backends.cuda.kernels import (SKINNY_SPLITS, WG_K, skinny_split, skinny_splits,  # noqa: E402
-                                         skinny_wgmma_split)
+from engine.backends.cuda.kernels import skinny_split, skinny_splits  # noqa: E402
 from engine.backends.cuda.linear import SKINNY_TILES  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
@@ -64,18 +62,13 @@ def kernel_table(backend: CudaBackend, name: str) -> None:
                 def ours(split: int):
                     def one_pass() -> None:
                         for w in ws:
-                            launch(st, y, x, w, rows, w.d_in, w.d_out, False, split)
+                            k.skinny_gemm(st, y, x, w, rows, w.d_in, w.d_out, False, split)
                     return one_pass
 
                 backend.linear.skinny_tiles = {}
                 before = replay_us(backend, cublas, len(ws))
-                if w0.format == "bf16" and k.wgmma:
-                    launch, chosen = k.skinny_wgmma, skinny_wgmma_split(w0.d_in, w0.d_out, k.sm_count)
-                    candidates = [n for n in SKINNY_SPLITS if w0.d_in % (n * WG_K) == 0]
-                else:
-                    launch, chosen = k.skinny_gemm, skinny_split(rows, w0.d_in, w0.d_out, w0.format, k.sm_count)
-                    candidates = skinny_splits(rows, w0.d_in, w0.format)
-                splits = {s: replay_us(backend, ours(s), len(ws)) for s in candidates}
+                splits = {s: replay_us(backend, ours(s), len(ws)) for s in skinny_splits(rows, w0.d_in, w0.format)}
+                chosen = skinny_split(rows, w0.d_in, w0.d_out, w0.format, k.sm_count)
                 by_split = "  ".join(f"{s}: {us:.1f}" for s, us in splits.items())
                 print(f"{matrix:<9} | {rows:>4} | {floor:6.1f} | {cell(before)} | {cell(splits[chosen])} | {by_split}",
                       flush=True)

@@ -4,8 +4,7 @@
 //
 //   D[64 x 64] (+)= A[64 x 16] B[16 x 64]    bfloat16 in, float32 accumulate
 //
-// issued by the 4 warps of a warpgroup together, asynchronously. A is in registers
-// (or in shared memory as B is: wgmma_m64n64k16_ss):
+// issued by the 4 warps of a warpgroup together, asynchronously. A is in registers:
 // warp w of the group holds rows 16w.. in mma.sync's m16n8k16 A layout (4 words of
 // bfloat16 pairs). D is too: d[j] is the m16n8 C fragment of columns 8j.. of the warp's
 // rows. B is in shared memory, named by a descriptor of a tile of 128-byte rows (64
@@ -84,21 +83,5 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t
           "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(TRANSPOSE_B), "r"(accumulate));
-}
-// d (+)= A B over one k16 step, both from shared memory, K-major: A named by `a_desc`
-// (64 rows), B by `b_desc` (64 rows: D's columns); d is overwritten where `accumulate` is 0.
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-          "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
-          "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 #endif

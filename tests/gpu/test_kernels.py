@@ -19,8 +19,7 @@ import pycuda.gpuarray as gpuarray  # noqa: E402
 
 from engine.backends import numpy_backend as ref  # noqa: E402
 from engine.backends.cuda.cublas import Cublas, DataType  # noqa: E402
-from engine.backends.cuda.kernels import (SKINNY_SPLITS, WG_K, Kernels, PagedAttention, block_shift,  # noqa: E402
-                                         prefill_query_rows, skinny_splits, skinny_wgmma_split)
+from engine.backends.cuda.kernels import Kernels, PagedAttention, block_shift, prefill_query_rows, skinny_splits  # noqa: E402
 from engine.backends.cuda.step_metadata import PARTITION, SHORT_PARTITION  # noqa: E402
 from engine.quantization.fp8 import E4M3, e4m3_to_f32, f32_to_e4m3  # noqa: E402
 from engine.sampler import apply_penalties  # noqa: E402
@@ -360,16 +359,15 @@ def test_gemv_matches_numpy_on_any_grid(kernels, d_in, d_out, out_f32):
     assert np.array_equal(gemv(blocks=3), got)  # the sums do not depend on the grid: here each warp takes several rows
 
 
-def skinny_gemm(launch, x: gpuarray.GPUArray, w, rows: int, d_in: int, d_out: int, out_f32: bool,
+def skinny_gemm(kernels, x: gpuarray.GPUArray, w, rows: int, d_in: int, d_out: int, out_f32: bool,
                 split: int) -> np.ndarray:
-    """y = x @ w^T over `rows` rows of x by a skinny GEMM's `launch` (Kernels.skinny_gemm
-    or skinny_wgmma), as float32."""
+    """skinny_gemm.cu's y = x @ w^T over `rows` rows of x, as float32."""
     y = gpuarray.to_gpu(np.full((rows, d_out), np.nan, np.float32)) if out_f32 else poisoned_bf16((rows, d_out))
-    launch(None, y, x, w, rows, d_in, d_out, out_f32, split)
+    kernels.skinny_gemm(None, y, x, w, rows, d_in, d_out, out_f32, split)
     return y.get() if out_f32 else bf16_bits_to_f32(y.get())
 
 
-def assert_skinny_gemm_is_exact_and_row_invariant(launch, x: np.ndarray, w, expected: np.ndarray, out_f32: bool,
+def assert_skinny_gemm_is_exact_and_row_invariant(kernels, x: np.ndarray, w, expected: np.ndarray, out_f32: bool,
                                                   splits: list[int]) -> None:
     """Every split's product within TOL of `expected`, and each row's result the same
     bits whether computed among all the rows or among two."""
@@ -377,35 +375,20 @@ def assert_skinny_gemm_is_exact_and_row_invariant(launch, x: np.ndarray, w, expe
     d_out = expected.shape[1]
     xg = up_bf16(x)
     for split in splits:
-        got = skinny_gemm(launch, xg, w, rows, d_in, d_out, out_f32, split)
+        got = skinny_gemm(kernels, xg, w, rows, d_in, d_out, out_f32, split)
         assert rel_l2(got, expected) < TOL, split
-        pair = skinny_gemm(launch, up_bf16(x[rows - 2:]), w, 2, d_in, d_out, out_f32, split)
+        pair = skinny_gemm(kernels, up_bf16(x[rows - 2:]), w, 2, d_in, d_out, out_f32, split)
         assert np.array_equal(pair, got[rows - 2:]), split
 
 
-SKINNY_SHAPES = [(2048, 3072, False), (8192, 2048, False), (2048, 16384, False), (2048, 128256, True), (576, 960, False)]
-
-
-@pytest.mark.parametrize("d_in, d_out, out_f32", SKINNY_SHAPES + [(64, 40, False)])
+@pytest.mark.parametrize("d_in, d_out, out_f32", [(2048, 3072, False), (8192, 2048, False), (2048, 16384, False),
+                                                  (2048, 128256, True), (576, 960, False), (64, 40, False)])
 @pytest.mark.parametrize("rows", [2, 16, 17, 64])
 def test_skinny_gemm_matches_numpy_for_every_split(kernels, d_in, d_out, out_f32, rows):
     x = RNG.standard_normal((rows, d_in)).astype(np.float32)
     w = RNG.standard_normal((d_out, d_in)).astype(np.float32) / np.sqrt(d_in)
-    assert_skinny_gemm_is_exact_and_row_invariant(kernels.skinny_gemm, x, up_bf16(w), bf16(x) @ bf16(w).T, out_f32,
+    assert_skinny_gemm_is_exact_and_row_invariant(kernels, x, up_bf16(w), bf16(x) @ bf16(w).T, out_f32,
                                                   skinny_splits(rows, d_in))
-
-
-@pytest.mark.parametrize("d_in, d_out, out_f32", SKINNY_SHAPES + [(64, 40, False), (128, 200, True)])
-@pytest.mark.parametrize("rows", [2, 16, 17, 64])
-def test_skinny_wgmma_matches_numpy_for_every_split(kernels, d_in, d_out, out_f32, rows):
-    if not kernels.wgmma:
-        pytest.skip("skinny_wgmma.cu is built for Hopper (sm_90a) alone")
-    x = RNG.standard_normal((rows, d_in)).astype(np.float32)
-    w = RNG.standard_normal((d_out, d_in)).astype(np.float32) / np.sqrt(d_in)
-    splits = [n for n in SKINNY_SPLITS if d_in % (n * WG_K) == 0]
-    assert skinny_wgmma_split(d_in, d_out, kernels.sm_count) in splits
-    assert_skinny_gemm_is_exact_and_row_invariant(kernels.skinny_wgmma, x, up_bf16(w), bf16(x) @ bf16(w).T, out_f32,
-                                                  splits)
 
 
 def separate_gemv(kernels, x: gpuarray.GPUArray, w: gpuarray.GPUArray, d_in: int, d_out: int) -> gpuarray.GPUArray:

@@ -110,7 +110,7 @@ def test_gemv_quantized_matches_numpy_on_any_grid(kernels, scales, d_in, d_out, 
 def test_skinny_gemm_fp8_matches_numpy_for_every_split(kernels, scales, d_in, d_out, out_f32, rows):
     x = RNG.standard_normal((rows, d_in)).astype(np.float32)
     q = quantized_weight(d_out, d_in, scales)
-    assert_skinny_gemm_is_exact_and_row_invariant(kernels.skinny_gemm, x, fp8_linear(q), bf16(x) @ q.float32().T, out_f32,
+    assert_skinny_gemm_is_exact_and_row_invariant(kernels, x, fp8_linear(q), bf16(x) @ q.float32().T, out_f32,
                                                   skinny_splits(rows, d_in, "fp8"))
 
 

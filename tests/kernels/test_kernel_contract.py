@@ -74,10 +74,6 @@ def test_launch_geometry_matches_the_sources():
         skinny["SKINNY_THREADS"], skinny["SKINNY_ROWS"], skinny["SKINNY_MAX_ROWS"])
     offset = re.search(r"SKINNY_X_OFFSET = W == W_BF16 \? (\d+) : (\d+);", source("skinny_gemm.cu"))
     assert (ck.SKINNY_X_OFFSET["bf16"], ck.SKINNY_X_OFFSET["fp8"]) == (int(offset[1]), int(offset[2]))
-    wgmma = defines("skinny_wgmma.cu")
-    assert (ck.WG_N, ck.WG_K, ck.WG_STAGES, ck.WG_THREADS) == (
-        wgmma["WG_N"], wgmma["WG_K"], wgmma["WG_STAGES"], wgmma["WG_THREADS"])
-    assert 2 * (ck.WG_SHARED + 1024) <= 228 * 1024  # two blocks an SM (1 KB a block is the system's)
 
 
 @pytest.mark.parametrize("d_in, split", [(576, 1), (2048, 1), (4095, 1), (4096, 2), (8192, 4), (16384, 8), (65536, 8)])
@@ -94,18 +90,6 @@ def test_gemv_row_lanes(d_in, format, lanes, rows):
     """An FP8 row narrower than a warp's UNROLL loads takes half a warp (rows up to 2,048
     columns); bfloat16 and INT4 rows a whole warp."""
     assert (ck.gemv_row_lanes(d_in, format), ck.gemv_rows_per_block(d_in, format)) == (lanes, rows)
-
-
-@pytest.mark.parametrize("d_in, d_out, split", [
-    (2048, 2048, 8), (2048, 3072, 4), (2048, 16384, 1), (8192, 2048, 8),  # o, qkv, gate_up, down of Llama 3.2 1B
-    (2048, 128256, 1),  # (its head: 8 slices would spread the blocks 5% more evenly, not 10%)
-    (576, 960, 1), (1536, 576, 8),  # (SmolLM2: 576 columns are 9 stages, one slice)
-    (100, 64, None), (2048, 2047, None),  # (no whole stage; an odd d_out, whose pairs of outputs would not align)
-])
-def test_skinny_wgmma_split(d_in, d_out, split):
-    """skinny_wgmma_split's rule at the H200's 132 SMs: the fewest slices whose busiest SM
-    reads within 10% of the least any split gives."""
-    assert ck.skinny_wgmma_split(d_in, d_out, sm_count=132) == split
 
 
 @pytest.mark.parametrize("rows, d_in, d_out, format, split", [

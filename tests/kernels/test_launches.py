@@ -155,25 +155,6 @@ def test_a_prompts_last_chunk_replays_a_graph_when_short(model):
     assert all(Counter(launch.kernel for launch in step)["cuGraphLaunch"] == 1 for step in steps)
 
 
-def test_bfloat16_tiles_of_up_to_64_rows_take_the_wgmma_skinny_gemm_on_hopper(model):
-    """On Hopper (the stand-in's 9.0) a prompt step of 2 to 64 tokens multiplies each
-    bfloat16 layer matrix whose width is whole stages by skinny_wgmma.cu, and a longer
-    one takes cuBLAS (which the stand-in does not record) for all of them."""
-    from engine.backends.cuda.kernels import skinny_wgmma_split
-
-    c = model.config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes = [(c.hidden_size, q + 2 * kv), (q, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),
-              (c.intermediate_size, c.hidden_size)]  # (d_in, d_out): qkv, o, gate_up, down
-    splits = [skinny_wgmma_split(d_in, d_out, 16) for d_in, d_out in shapes]
-    assert any(splits) and not all(splits)  # (the tiny models' down_proj is 2.5 stages wide)
-    for tokens, expected in ((19, sum(map(bool, splits)) * c.num_layers), (100, 0)):
-        step = engine_steps(model, [(list(range(1, tokens + 1)), dict(GREEDY, max_tokens=1))], cuda_graphs=False)[0]
-        wgmma = Counter(launch.kernel for launch in step if launch.kernel.startswith("skinny_wgmma_s"))
-        assert sum(wgmma.values()) == expected, tokens
-        assert set(wgmma) <= {f"skinny_wgmma_s{n}" for n in splits if n}
-
-
 def test_fp8_weights_run_their_own_kernels(model):
     """An FP8 checkpoint (or one quantized at load) keeps its layers FP8 on the GPU: the
     single-token steps launch the FP8 GEMVs where a bfloat16 model launches the

@@ -34,10 +34,7 @@ ROW_THREADS = 256  # the block of the row-wise kernels (embedding, add_rmsnorm, 
 SKINNY_THREADS, SKINNY_ROWS, SKINNY_MAX_ROWS = 128, 64, 64  # skinny_gemm.cu's block, its rows of w, and of x at most
 SKINNY_X_OFFSET = {"bf16": 64, "fp8": 16}  # bytes a staged row of x takes past a multiple of 128 (skinny_gemm.cu)
 SKINNY_MAX_SHARED = 227 * 1024  # the shared memory a block may opt into (sm_90)
-SKINNY_SPLITS = (1, 2, 4, 8)  # the cluster sizes skinny_gemm.cu and skinny_wgmma.cu are built for (their kernels' _sN)
-WG_N, WG_K, WG_STAGES, WG_THREADS = 128, 64, 4, 128  # skinny_wgmma.cu's rows of w a block, columns a stage, stages, block
-WG_SHARED = WG_STAGES * (64 + WG_N) * 128 + 1024  # its dynamic shared memory: the stages, and room to align them
-HOPPER_ONLY = {"skinny_wgmma.cu"}  # files whose kernels the sm_90a build alone has
+SKINNY_SPLITS = (1, 2, 4, 8)  # the cluster sizes skinny_gemm.cu is built for (its kernels' _sN)
 
 SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i int, f float)
     "embedding_gather": ("embedding.cu", "PPPPi"),
@@ -60,7 +57,6 @@ SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i in
     **{f"dequantize{suffix}": ("gemv.cu", "PPPiiii") for suffix in ("_fp8", "_int4")},
     **{f"skinny_gemm_s{n}": ("skinny_gemm.cu", "PiPiPii") for n in SKINNY_SPLITS},
     **{f"skinny_gemm_fp8_s{n}": ("skinny_gemm.cu", "PiPiPPiii") for n in SKINNY_SPLITS},
-    **{f"skinny_wgmma_s{n}": ("skinny_wgmma.cu", "PiPiPii") for n in SKINNY_SPLITS},
     "quantize_rows_e4m3": ("fp8_activations.cu", "PPPi"),
     "scale_rows_and_cols": ("fp8_activations.cu", "PiPPi"),
     "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
@@ -158,17 +154,6 @@ def skinny_split(rows: int, d_in: int, d_out: int, format: str, sm_count: int) -
     return next((n for n in splits if groups * n >= 2 * sm_count), splits[-1] if splits else None)
 
 
-@functools.cache
-def skinny_wgmma_split(d_in: int, d_out: int, sm_count: int) -> int | None:
-    """Slices of a skinny_wgmma.cu product (None: it cannot take it): the fewest whose
-    busiest SM reads within 10% of the fewest weight columns any split gives one (each
-    block reads its slice, the blocks spread over the SMs evenly)."""
-    groups = -(-d_out // WG_N)
-    splits = [n for n in SKINNY_SPLITS if d_in % (n * WG_K) == 0] if d_out % 2 == 0 else []
-    busiest = {n: -(-groups * n // sm_count) * d_in // n for n in splits}
-    return next((n for n in splits if busiest[n] <= 1.1 * min(busiest.values())), None)
-
-
 def gemv_weight(w: Any) -> tuple[str, tuple]:
     """A GEMV's weight arguments: (the kernel's suffix for its format, the arguments in
     place of `w`) for a LinearWeight (engine/backends/cuda/linear.py), or a bfloat16
@@ -261,16 +246,13 @@ class Kernels:
         options = (["-O3", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"] + (["-DKV_CACHE_FP8"] if kv_cache_fp8 else [])
                    + (["-DPROGRAMMATIC_LAUNCH"] if programmatic else []))
         target = nvcc_target(arch)
-        self.wgmma = arch == "sm_90"  # the build has wgmma (nvcc_target): skinny_wgmma.cu's kernels
         for name, (file, signature) in SIGNATURES.items():
-            if file in HOPPER_ONLY and not self.wgmma:
-                continue
             if file not in modules:
                 modules[file] = SourceModule((sources / file).read_text(), no_extern_c=True, options=options,
                                              include_dirs=[str(sources.resolve())], **target)  # (nvcc runs elsewhere)
             fn = modules[file].get_function(name)
             fn.prepare(signature)
-            if file in ("skinny_gemm.cu", "skinny_wgmma.cu"):  # (over the 48 KB a block takes without opting in)
+            if file == "skinny_gemm.cu":  # (over the 48 KB a block takes without opting in)
                 fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, SKINNY_MAX_SHARED)
             self.functions[name] = fn
             # (PyCUDA asks the driver at every read of num_regs: the GEMVs' grids need it every launch)
@@ -406,16 +388,6 @@ class Kernels:
             (-(-d_out // SKINNY_ROWS), split), (SKINNY_THREADS, 1, 1), stream, ptr(y), np.int32(out_f32), ptr(x),
             np.int32(rows), *weight, np.int32(d_in), np.int32(d_out),
             shared_size=skinny_shared_bytes(rows, d_in // split, format))
-
-    # -- skinny_wgmma.cu ----------------------------------------------------------------
-    def skinny_wgmma(self, stream, y, x, w, rows: int, d_in: int, d_out: int, out_f32: bool = False,
-                     split: int | None = None) -> None:
-        """y = x @ w^T for 2 to 64 rows x and bfloat16 weights on Hopper (self.wgmma), over
-        `split` slices of d_in (skinny_wgmma_split's unless given)."""
-        split = split or skinny_wgmma_split(d_in, d_out, self.sm_count)
-        self.functions[f"skinny_wgmma_s{split}"].prepared_async_call(
-            (-(-d_out // WG_N), split), (WG_THREADS, 1, 1), stream, ptr(y), np.int32(out_f32), ptr(x), np.int32(rows),
-            ptr(getattr(w, "data", w)), np.int32(d_in), np.int32(d_out), shared_size=WG_SHARED)
 
     # -- fp8_activations.cu: the two ends of a W8A8 product (linear.py) -----------------
     def quantize_rows_e4m3(self, stream, codes, scales, x, rows: int, d_in: int) -> None:

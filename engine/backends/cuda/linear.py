@@ -1,22 +1,21 @@
 """Linear layers on the GPU: a weight in its format, and y = x @ w^T by it.
 
 A GEMM tile of one row takes our GEMV (gemv.cu), in the weight's format. A tile of 2 to
-64 rows of a bfloat16 weight takes, on Hopper, our wgmma skinny GEMM (skinny_wgmma.cu),
-which starts reading the weights before the kernel ahead of it ends; a tile of 2 to 32
-rows of an FP8 weight takes skinny_gemm.cu's, which reads the codes once. Larger tiles
-of an FP8 weight whose checkpoint quantizes its activations too (LinearWeight.w8a8: an
-FP8-dynamic checkpoint) are W8A8 products, given a cuBLASLt handle (`lt`): the tile's
-rows quantized to e4m3 a token at a time, the codes multiplied on the FP8 tensor cores
-(cuBLASLt takes one scale an operand on sm_90, so none there), and the sums scaled by
-the token's scale and the weight row's (fp8_activations.cu); at 1,024 rows a layer's
-four products take 105 µs against 171 in bfloat16 (bench/fp8_gemm.py). Other tiles
-take cuBLAS in bfloat16: an FP8 or INT4 weight is first dequantized to bfloat16 into a
-scratch buffer (gemv.cu's dequantize_*), once per product whatever its tiles, in chunks
-of rows where it is larger than the buffer (the head). The W8A8 products quantize their
-rows into the same scratch, in chunks of the rows it holds. The skinny GEMMs' limits
-are measured (bench/skinny_gemm.py): at 64 rows skinny_gemm.cu is behind dequantizing
-and cuBLAS. The single-token fusions of forward.py (the GEMVs that also normalise,
-rotate or activate) exist in each format.
+32 rows of an FP8 weight takes our skinny GEMM (skinny_gemm.cu), which reads the codes
+once. Larger tiles of an FP8 weight whose checkpoint quantizes its activations too
+(LinearWeight.w8a8: an FP8-dynamic checkpoint) are W8A8 products, given a cuBLASLt
+handle (`lt`): the tile's rows quantized to e4m3 a token at a time, the codes
+multiplied on the FP8 tensor cores (cuBLASLt takes one scale an operand on sm_90, so
+none there), and the sums scaled by the token's scale and the weight row's
+(fp8_activations.cu); at 1,024 rows a layer's four products take 105 µs against 171 in
+bfloat16 (bench/fp8_gemm.py). Other tiles take cuBLAS in bfloat16: an FP8 or INT4
+weight is first dequantized to bfloat16 into a scratch buffer (gemv.cu's dequantize_*),
+once per product whatever its tiles, in chunks of rows where it is larger than the
+buffer (the head). The W8A8 products quantize their rows into the same scratch, in
+chunks of the rows it holds. The skinny GEMM's limits are measured
+(bench/skinny_gemm.py): at 64 rows it is behind dequantizing and cuBLAS, and for
+bfloat16 weights behind cuBLAS at every row count, as yet. The single-token fusions of
+forward.py (the GEMVs that also normalise, rotate or activate) exist in each format.
 """
 
 from __future__ import annotations
@@ -29,11 +28,11 @@ import numpy as np
 
 from engine.backends.cuda.cublas import Cublas, DataType
 from engine.backends.cuda.cublaslt import CublasLt, GemmShape, LtPlan
-from engine.backends.cuda.kernels import Kernels, skinny_split, skinny_wgmma_split
+from engine.backends.cuda.kernels import Kernels, skinny_split
 
 BF16, FP8, INT4 = "bf16", "fp8", "int4"
 FORMATS = (BF16, FP8, INT4)
-SKINNY_TILES = {BF16: 64, FP8: 32}  # the formats whose tiles of 2 rows to this many take a skinny GEMM
+SKINNY_TILES = {FP8: 32}  # the formats whose tiles of 2 rows to this many take the skinny GEMM
 MAX_PLANS = 256  # cuBLASLt plans of W8A8 products kept (Linear._plan)
 
 
@@ -86,8 +85,7 @@ class Linear:
             if rows == 1:  # (d_in is a multiple of 8, 16 for FP8, as gemv.cu needs: checked at upload)
                 kernels.gemv(self.stream, y_ptr, x_ptr, w, w.d_in, w.d_out, out_f32)
             elif self._skinny(kernels, w, rows):
-                skinny = kernels.skinny_wgmma if w.format == BF16 else kernels.skinny_gemm
-                skinny(self.stream, y_ptr, x_ptr, w, rows, w.d_in, w.d_out, out_f32)
+                kernels.skinny_gemm(self.stream, y_ptr, x_ptr, w, rows, w.d_in, w.d_out, out_f32)
             else:
                 gemm_tiles.append((y_ptr, x_ptr, rows))
         if not gemm_tiles:
@@ -149,10 +147,6 @@ class Linear:
         return plan
 
     def _skinny(self, kernels: Kernels, w: LinearWeight, rows: int) -> bool:
-        """Whether a tile of `rows` rows takes a skinny GEMM: Hopper's (skinny_wgmma.cu)
-        for bfloat16 weights, skinny_gemm.cu's for FP8."""
-        if rows > self.skinny_tiles.get(w.format, 0):
-            return False
-        if w.format == BF16:
-            return kernels.wgmma and skinny_wgmma_split(w.d_in, w.d_out, kernels.sm_count) is not None
-        return skinny_split(rows, w.d_in, w.d_out, w.format, kernels.sm_count) is not None
+        """Whether a tile of `rows` rows takes the skinny GEMM."""
+        return (rows <= self.skinny_tiles.get(w.format, 0)
+                and skinny_split(rows, w.d_in, w.d_out, w.format, kernels.sm_count) is not None)
