@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import settings
 
@@ -79,6 +80,11 @@ def run(engine: LLMEngine, seqs: list[Sequence], arrivals: dict[int, list[Sequen
 
 def tokens(outputs: list[RequestOutput]) -> list[int]:
     return [t for o in outputs for t in o.token_ids]
+
+
+def logprobs(outputs: list[RequestOutput]) -> np.ndarray:
+    """Each output token's log-prob and its top alternatives' (a request asking top_logprobs)."""
+    return np.array([[lp.logprob] + [v for _, v in lp.top] for o in outputs for lp in o.logprobs])
 
 
 def text(outputs: list[RequestOutput]) -> str:

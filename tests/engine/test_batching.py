@@ -1,11 +1,12 @@
-"""Paged, continuously batched generation gives the same greedy tokens as running alone."""
+"""Paged, continuously batched generation gives the same greedy tokens as running alone,
+and on the numpy backend the same log-probs, bit for bit."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.conftest import greedy, make_engine, run, tokens
+from tests.conftest import greedy, logprobs, make_engine, run, tokens
 
 LENGTHS = [1, 5, 16, 17, 33, 64, 90]
 
@@ -22,7 +23,12 @@ def alone(model, ids: list[int], max_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    return [alone(tiny_model, ids, 24) for ids in prompts(tiny_model.config.vocab_size)]
+    """Each prompt's greedy tokens and their log-probs, run alone."""
+    outputs = {}
+    for ids in prompts(tiny_model.config.vocab_size):
+        engine = make_engine(tiny_model)
+        outputs[len(outputs)] = run(engine, [engine.make_sequence("x", ids, greedy(24, top_logprobs=2))])["x"]
+    return [(tokens(o), logprobs(o)) for o in outputs.values()]
 
 
 @pytest.mark.parametrize("label, config, late", [
@@ -34,11 +40,13 @@ def reference(tiny_model):
 ])
 def test_batched_equals_alone(tiny_model, reference, label, config, late):
     engine = make_engine(tiny_model, **config)
-    seqs = [engine.make_sequence(f"r{i}", ids, greedy(24)) for i, ids in enumerate(prompts(tiny_model.config.vocab_size))]
+    seqs = [engine.make_sequence(f"r{i}", ids, greedy(24, top_logprobs=2))
+            for i, ids in enumerate(prompts(tiny_model.config.vocab_size))]
     arrivals = {3 * i: [s] for i, s in enumerate(seqs[1:], 1)} if late else {}
     outputs = run(engine, seqs[:1] if late else seqs, arrivals)
-    for i, expected in enumerate(reference):
+    for i, (expected, expected_logprobs) in enumerate(reference):
         assert tokens(outputs[f"r{i}"]) == expected, f"{label}: request {i}"
+        assert np.array_equal(logprobs(outputs[f"r{i}"]), expected_logprobs), f"{label}: request {i}"
     if "preemption" in label:
         assert engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
 
