@@ -1,7 +1,8 @@
-"""Prefix caching changes nothing a request sees but its cost (numpy backend, tiny Llama):
-with the cache on and off, requests one after another or in mixed batches, in chunked
-prefill, under preemption and in the overlapped loop give the same tokens and the same
-logprobs, bit for bit. Requests that share a prefix find it cached."""
+"""Prefix caching changes nothing a request sees but its cost (tiny Llama, on the numpy
+backend and on the cpu backend): with the cache on and off, requests one after another
+or in mixed batches, in chunked prefill, under preemption and in the overlapped loop give
+the same tokens and the same logprobs, bit for bit. Requests that share a prefix find it
+cached."""
 
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ def requests(engine) -> list:
     ("chunked prefill", dict(max_num_batched_tokens=7), False),
     ("preemption by a tiny cache", dict(num_kv_blocks=32, block_size=4, output_reserve=0.0), False),
 ])
-def test_cache_on_and_off_give_the_same_tokens_in_any_batching(tiny_model, label, config, overlapped):
+@pytest.mark.parametrize("device", ["numpy", "cpu"])
+def test_cache_on_and_off_give_the_same_tokens_in_any_batching(tiny_model, device, label, config, overlapped):
     results, cached = {}, {}
     for caching in (False, True):
-        engine = make_engine(tiny_model, enable_prefix_caching=caching, **config)
+        engine = make_engine(tiny_model, device, enable_prefix_caching=caching, **config)
         seqs = requests(engine)
         outputs = run(engine, seqs[:1], {4 + 2 * i: [s] for i, s in enumerate(seqs[1:])}, overlapped=overlapped)
         results[caching] = {rid: (tokens(outs), logprobs(outs)) for rid, outs in outputs.items()}
