@@ -57,8 +57,8 @@ def read_quantized(config: dict | None, weights: Weights) -> Weights:
     elif method == "fp8":
         block = tuple(config.get("weight_block_size") or ()) or None
         for base in _linears(weights, ".weight_scale_inv"):
-            weights[base + ".weight"] = Fp8Weight(_stored(weights, base + ".weight"),
-                                                  _stored(weights, base + ".weight_scale_inv").astype(np.float32), block)
+            weights[base + ".weight"] = _checked_fp8(base, Fp8Weight(
+                _stored(weights, base + ".weight"), _stored(weights, base + ".weight_scale_inv").astype(np.float32), block))
     elif method == "compressed-tensors":
         _read_compressed_tensors(config, weights)
     else:
@@ -88,7 +88,8 @@ def _read_compressed_tensors(config: dict, weights: Weights) -> None:
         dynamic = activations.get("type") == "float" and activations.get("num_bits") == 8 and bool(activations.get("dynamic"))
         for base in _linears(weights, ".weight_scale"):
             scale = _stored(weights, base + ".weight_scale").astype(np.float32).reshape(-1, 1)
-            weights[base + ".weight"] = Fp8Weight(_stored(weights, base + ".weight"), scale, dynamic_activations=dynamic)
+            weights[base + ".weight"] = _checked_fp8(base, Fp8Weight(_stored(weights, base + ".weight"), scale,
+                                                                     dynamic_activations=dynamic))
             weights.pop(base + ".input_scale", None)  # (static activation scales: activations stay bfloat16)
     else:
         raise ValueError(f"the checkpoint is in compressed-tensors' {form!r} format, which llamastream does not serve: "
@@ -108,6 +109,23 @@ def _checked(name: str, weight):
         raise ValueError(f"{name}: its packed weights ({out} x {columns}), scales {weight.scale.shape} and zero points "
                          f"{weight.zero.shape} do not agree with the group size in quantization_config")
     return weight
+
+
+def _checked_fp8(name: str, weight: Fp8Weight) -> Fp8Weight:
+    """An FP8 weight with one scale, one a row or one a block of its codes (as the
+    format says), or ValueError naming it."""
+    out, columns = weight.shape
+    if weight.block is None:
+        if weight.scale.size == 1 or weight.scale.shape == (out, 1):
+            return weight
+        expected = f"one for the tensor or one a row ({out} x 1)"
+    else:
+        rows, cols = weight.block
+        expected = f"one a {rows} x {cols} block ({-(-out // rows)} x {-(-columns // cols)}: weight_block_size)"
+        if weight.scale.shape == (-(-out // rows), -(-columns // cols)):
+            return weight
+    raise ValueError(f"{name}: its FP8 codes ({out} x {columns}) and scales {weight.scale.shape} do not agree with "
+                     f"quantization_config, which asks for {expected}")
 
 
 def quantize_at_load(method: str, weights: Weights, head: str | None = None) -> Weights:

@@ -161,6 +161,17 @@ def test_a_config_that_does_not_match_its_tensors_names_the_tensor(tmp_path):
         load_model(tmp_path / "awq")
 
 
+@pytest.mark.parametrize("block", [[8, 8], [256, 256]])
+def test_fp8_scales_that_do_not_match_the_block_size_name_the_tensor(tmp_path, block):
+    write_quantized(TINY_MODEL, tmp_path / "fp8", "fp8-block")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = block  # (the scales are of 128 x 128 blocks)
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"model\.layers\.\d+\.\S+: its FP8 codes \(\d+ x \d+\) and scales "
+                                         rf"\(\d+, \d+\) do not agree .* {block[0]} x {block[1]} block"):
+        load_model(tmp_path / "fp8")
+
+
 def test_quantizing_the_head_too_quantizes_the_head_or_the_embedding_tied_to_it():
     untied = load_model(TINY_MODEL, quantization="fp8", quantize_lm_head=True)
     assert isinstance(untied.weights["lm_head.weight"], Fp8Weight)
