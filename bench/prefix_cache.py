@@ -6,7 +6,7 @@ and (c) the time to first token of one request, alone, whose system prompt is ca
 Random token ids, greedy, eos ignored.
 
     python3 bench/prefix_cache.py --device cuda   # Llama 3.2 1B shape, random bfloat16 weights (torch makes them)
-    python3 bench/prefix_cache.py --device cpu    # the embedded SmolLM2-135M on the numpy backend, a smaller workload
+    python3 bench/prefix_cache.py --device numpy  # the embedded SmolLM2-135M on the numpy backend, a smaller workload
 
 The floor of each run: its prompt tokens that are not cached at 2 FLOPs a parameter
 each at the compute peak, plus one read of the weights per decode step, with every
@@ -181,7 +181,9 @@ def load(device: str) -> tuple[LoadedModel, float, float, tempfile.TemporaryDire
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
+    ap.add_argument("--device", choices=["cuda", "numpy"], required=True,
+                    help="numpy: the floors are numpy's float32 matmul rate and copy bandwidth, which the cpu "
+                         "backend's integer products would exceed")
     ap.add_argument("--first-token-only", action="store_true", help="only (c), the time to first token after a cached prefix")
     args = ap.parse_args()
     w = GPU if args.device == "cuda" else CPU
