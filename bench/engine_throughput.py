@@ -44,19 +44,10 @@ from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from devtools.checkpoints import SHAPES, make_model  # noqa: E402
 from devtools.quantized import fp8_model  # noqa: E402
+from bench.floors import BANDWIDTH, PEAK, decode_costs  # noqa: E402
 
-BANDWIDTH, PEAK = 4.27e12, 790e12
 FORMATS = {"bf16": lambda m: m, "fp8": fp8_model, "fp8-dynamic": lambda m: fp8_model(m, dynamic_activations=True),
            "fp8-head": lambda m: fp8_model(m, head=True)}
-
-
-def decode_costs(config) -> tuple[float, float, float]:
-    """(weight bytes a decode step reads, K/V bytes a token, FLOPs a token) in bfloat16."""
-    c = config
-    layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    linear = c.num_layers * layer + c.vocab_size * c.hidden_size  # (the head; tied, it is the embedding read again)
-    weight_bytes = 2 * (linear + c.vocab_size * c.hidden_size * (not c.tie_word_embeddings))
-    return weight_bytes, 2 * 2 * c.num_layers * c.kv_size, 2 * linear
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine_throughput import BANDWIDTH, PEAK, decode_costs  # noqa: E402
+from bench.floors import BANDWIDTH, PEAK, decode_costs  # noqa: E402
 from engine.backends.cuda.backend import CudaBackend  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.decode_attention import (  # noqa: E402
     BLOCK, HEAD_DIM, HEADS, KV_HEADS, REPEATS, SPIN_CYCLES, SPIN_SOURCE, time_launches)
-from bench.engine_throughput import PEAK  # noqa: E402
+from bench.floors import PEAK  # noqa: E402
 from engine.backends.cuda.kernels import CUDA_SRC, Kernels, PagedAttention, prefill_query_rows  # noqa: E402
 from engine.backends.cuda.step_metadata import attention_partition, is_whole_context_prompt  # noqa: E402
 from engine.quantization.fp8 import f32_to_e4m3  # noqa: E402

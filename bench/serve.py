@@ -17,7 +17,9 @@ given ranges, eos ignored) at --request-rate (Poisson; inf = all at once) with a
 output tokens/s, requests/s, and time to first token (TTFT), time per output token
 after the first (TPOT) and inter-token latency between stream messages (ITL) at
 p50/p90/p99. A message can carry several tokens when a reader falls behind; ITL is
-per message, TPOT per token.
+per message, TPOT per token. On the GPU each run is beside its floor: the output
+tokens/s of decode steps of as many sequences as run at once, at the workload's mean
+context, on an H200 (bench/floors.py).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llamastream.v1 import generation_pb2 as pb  # noqa: E402
 from llamastream.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+from bench.floors import decode_floor_tokens_per_s  # noqa: E402
 from devtools.servers import GatewayProcess, ServerProcess  # noqa: E402
+from engine.model_loader import load_model  # noqa: E402
 from server.gateway import model_directory  # noqa: E402
 
 
@@ -251,17 +255,22 @@ def main() -> None:
             senders["gateway"] = lambda: openai_sender(gateway.url, gateway.model)
             prompts = as_text(prompts, Path(model))
         runs = []
+        config = load_model(model).config if info.backend == "cuda" and args.address is None else None
+        context = np.mean([len(p) for p in prompts]) + np.mean(outputs) / 2
         print(f"model {info.model} on {info.backend}; {args.num_prompts} requests, input {args.input_len}, output {args.output_len}"
               + ("; prompts as text, the same through both paths" if args.gateway else ""))
-        print(f"{'path':>7} | {'conc':>5} | {'ok':>4} | {'fail':>4} | {'out tok/s':>9} | {'TTFT p50/p90/p99 ms':>22} | "
-              f"{'TPOT p50/p90/p99 ms':>20} | {'ITL p50/p90/p99 ms':>20}")
+        print(f"{'path':>7} | {'conc':>5} | {'ok':>4} | {'fail':>4} | {'out tok/s':>9} | {'floor':>7} | "
+              f"{'TTFT p50/p90/p99 ms':>22} | {'TPOT p50/p90/p99 ms':>20} | {'ITL p50/p90/p99 ms':>20}")
         for conc in (int(c) for c in args.max_concurrency.split(",")):
+            floor = decode_floor_tokens_per_s(config, min(conc, args.num_prompts), context) if config else None
             for path, sender in senders.items():
                 flush_prefix_cache(address)  # (every run sends the same prompts: none may find the last one's)
-                r = {"path": path, **asyncio.run(run_load(sender(), prompts, outputs, conc, args.request_rate, args.seed))}
+                r = {"path": path, **asyncio.run(run_load(sender(), prompts, outputs, conc, args.request_rate, args.seed)),
+                     "floor_output_tokens_per_s": floor}
                 runs.append(r)
                 t, p, i = r["ttft_ms"], r["tpot_ms"], r["itl_ms"]
                 print(f"{path:>7} | {conc:>5} | {r['completed']:>4} | {r['failed']:>4} | {r['output_tokens_per_s']:9.1f} | "
+                      f"{f'{floor:7.0f}' if floor else '      -'} | "
                       f"{t['p50']:6.1f} {t['p90']:7.1f} {t['p99']:7.1f} | {p['p50']:6.2f} {p['p90']:6.2f} {p['p99']:6.2f} | "
                       f"{i['p50']:6.2f} {i['p90']:6.2f} {i['p99']:6.2f}")
         result = {"model": info.model, "backend": info.backend, "num_prompts": args.num_prompts,

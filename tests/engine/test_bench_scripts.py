@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import TINY_MODEL
 from tests.serving import ROOT
 
@@ -23,6 +25,22 @@ def test_serve_benchmark_reports_every_request(tmp_path):
         assert run["completed"] == 6 and run["failed"] == 0
         assert 6 * 3 <= run["output_tokens"] <= 6 * 9
         assert run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"]
+        assert run["floor_output_tokens_per_s"] is None  # (the floors are the H200's: GPU runs only)
+
+
+def test_decode_floors_at_the_llama_1b_shape():
+    """bench/floors.py's decode step at the Llama 3.2 1B shape: 2.47 GB of weights (the
+    tied head read again), 32 KB of K/V a token; batch 1 bound by the weights' bytes."""
+    from bench.floors import BANDWIDTH, decode_costs, decode_floor_tokens_per_s
+    from devtools.checkpoints import LLAMA_32_1B
+    from engine.models import architecture_for_hf
+
+    hf = {**LLAMA_32_1B, "model_type": "llama"}
+    config = architecture_for_hf(hf).config_from_hf(hf)
+    weight_bytes, kv_bytes, flops = decode_costs(config)
+    assert round(weight_bytes / 1e9, 2) == 2.47 and kv_bytes == 32 * 1024 and flops == weight_bytes
+    assert decode_floor_tokens_per_s(config, 1, 0) == pytest.approx(BANDWIDTH / weight_bytes)
+    assert decode_floor_tokens_per_s(config, 256, 843) < 256 * BANDWIDTH / weight_bytes  # (the K/V's bytes count)
 
 
 def test_serve_benchmark_goes_through_the_gateway_too(tmp_path):
