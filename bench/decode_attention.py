@@ -33,11 +33,11 @@ from pycuda.compiler import SourceModule
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.floors import BANDWIDTH  # noqa: E402
 from engine.backends.cuda.kernels import CUDA_SRC, Kernels, PagedAttention  # noqa: E402
 from engine.weights import f32_to_bf16_bits  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16
-BANDWIDTH = 4.27e12  # the H200's measured read bandwidth (bytes/s), as in the other benchmarks
 REPEATS = 30
 # A kernel that holds the GPU for ~10 ms while the host queues the timed launches:
 # without it a small case times PyCUDA's launch calls (~30 us each), not the kernel.

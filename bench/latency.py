@@ -27,14 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import torch_decode  # noqa: E402
 from bench.engine_throughput import StepTimeline  # noqa: E402
+from bench.floors import BANDWIDTH, PEAK  # noqa: E402
 from engine.backends.cuda.backend import CudaBackend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from devtools.checkpoints import LLAMA_32_1B, make_model  # noqa: E402
 
-DECODE_FLOOR_MS = 2.47e9 / 4.27e12 * 1e3
-PREFILL_FLOOR_MS = 2 * 1.24e9 * 1024 / 790e12 * 1e3
+DECODE_FLOOR_MS = 2.47e9 / BANDWIDTH * 1e3
+PREFILL_FLOOR_MS = 2 * 1.24e9 * 1024 / PEAK * 1e3
 
 
 GREEDY = dict(temperature=0.0)

@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.floors import BANDWIDTH, PEAK  # noqa: E402
 from engine.backends import create_backend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import LoadedModel, load_model  # noqa: E402
@@ -173,7 +174,7 @@ def load(device: str) -> tuple[LoadedModel, float, float, tempfile.TemporaryDire
 
         tmp = tempfile.TemporaryDirectory()
         make_model(Path(tmp.name), LLAMA_32_1B, seed=0)
-        return load_model(tmp.name), 790e12, 4.27e12, tmp
+        return load_model(tmp.name), PEAK, BANDWIDTH, tmp
     from bench.cpu_decode import matmul_flops, memory_bandwidth
 
     return load_model(), matmul_flops(), memory_bandwidth() / 2, None  # (a copy reads and writes)

@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_throughput import StepTimeline  # noqa: E402
+from bench.floors import BANDWIDTH  # noqa: E402
 from bench.latency import ours  # noqa: E402
 from devtools.checkpoints import LLAMA_32_1B, make_model  # noqa: E402
 from devtools.quantized import fp8_model, int4_model  # noqa: E402
@@ -37,7 +38,6 @@ from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.weights import f32_to_bf16_bits  # noqa: E402
 
-BANDWIDTH = 4.27e12  # bytes/s: a device-to-device copy on the H200 (bench/RESULTS.md)
 FORMATS = {"bf16": lambda m: m, "fp8": fp8_model, "fp8-dynamic": lambda m: fp8_model(m, dynamic_activations=True),
            "fp8-blocks": lambda m: fp8_model(m, (128, 128)),
            "fp8-head": lambda m: fp8_model(m, head=True), "int4": lambda m: int4_model(m, 128)}

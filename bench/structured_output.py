@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.floors import BANDWIDTH  # noqa: E402
 from engine.backends import create_backend  # noqa: E402
 from engine.engine_loop import GIL_SWITCH_INTERVAL_S  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
@@ -120,7 +121,7 @@ def main() -> None:
 
         tmp = tempfile.TemporaryDirectory()
         make_model(Path(tmp.name), LLAMA_32_1B, seed=0)
-        model, batches, bandwidth, width = load_model(tmp.name), (1, 64), 4.27e12, 2
+        model, batches, bandwidth, width = load_model(tmp.name), (1, 64), BANDWIDTH, 2
     else:
         from bench.cpu_decode import memory_bandwidth
 
