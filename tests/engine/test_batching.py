@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.output import RequestOutput
+from engine.sampling_params import SamplingParams
 from tests.conftest import greedy, logprobs, make_engine, run, tokens
 
 LENGTHS = [1, 5, 16, 17, 33, 64, 90]
@@ -16,19 +18,16 @@ def prompts(vocab: int) -> list[list[int]]:
     return [rng.integers(5, vocab, size=n).tolist() for n in LENGTHS]
 
 
-def alone(model, ids: list[int], max_tokens: int) -> list[int]:
+def alone(model, ids: list[int], params: SamplingParams) -> list[RequestOutput]:
     engine = make_engine(model)
-    return tokens(run(engine, [engine.make_sequence("x", ids, greedy(max_tokens))])["x"])
+    return run(engine, [engine.make_sequence("x", ids, params)])["x"]
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """Each prompt's greedy tokens and their log-probs, run alone."""
-    outputs = {}
-    for ids in prompts(tiny_model.config.vocab_size):
-        engine = make_engine(tiny_model)
-        outputs[len(outputs)] = run(engine, [engine.make_sequence("x", ids, greedy(24, top_logprobs=2))])["x"]
-    return [(tokens(o), logprobs(o)) for o in outputs.values()]
+    outputs = [alone(tiny_model, ids, greedy(24, top_logprobs=2)) for ids in prompts(tiny_model.config.vocab_size)]
+    return [(tokens(o), logprobs(o)) for o in outputs]
 
 
 @pytest.mark.parametrize("label, config, late", [
@@ -55,7 +54,7 @@ def test_smollm2_batched_equals_alone(smollm2):
     tok = smollm2.tokenizer
     chats = ["What is the capital of France?", "Write a haiku about the sea.", "Count to five."]
     ids = [tok.encode_chat([{"role": "user", "content": c}])[0] for c in chats] + [tok.encode("The weather today")]
-    expected = [alone(smollm2, p, 12) for p in ids]
+    expected = [tokens(alone(smollm2, p, greedy(12))) for p in ids]
     engine = make_engine(smollm2, num_kv_blocks=6, max_num_batched_tokens=24, output_reserve=0.0)  # chunked and preempting
     seqs = [engine.make_sequence(f"r{i}", p, greedy(12)) for i, p in enumerate(ids)]
     outputs = run(engine, seqs[:2], {2: seqs[2:]})
