@@ -44,7 +44,7 @@ from llamastream.v1 import generation_pb2 as pb  # noqa: E402
 from llamastream.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 from bench.floors import decode_floor_tokens_per_s  # noqa: E402
 from devtools.servers import GatewayProcess, ServerProcess  # noqa: E402
-from engine.model_loader import load_model  # noqa: E402
+from engine.model_loader import load_config  # noqa: E402
 from server.gateway import model_directory  # noqa: E402
 
 
@@ -255,7 +255,7 @@ def main() -> None:
             senders["gateway"] = lambda: openai_sender(gateway.url, gateway.model)
             prompts = as_text(prompts, Path(model))
         runs = []
-        config = load_model(model).config if info.backend == "cuda" and args.address is None else None
+        config = load_config(model) if info.backend == "cuda" and args.address is None else None
         context = np.mean([len(p) for p in prompts]) + np.mean(outputs) / 2
         print(f"model {info.model} on {info.backend}; {args.num_prompts} requests, input {args.input_len}, output {args.output_len}"
               + ("; prompts as text, the same through both paths" if args.gateway else ""))

@@ -63,27 +63,20 @@ def load_model(path: str | Path | None = None, progress: Progress | None = None,
     too with `quantize_lm_head`) and tokenizer."""
     if quantize_lm_head and not quantization:
         raise ValueError("--quantize-lm-head quantizes the head with the layers: give --quantization too")
-    model_path = Path(path) if path else embedded_model_path()
-    if not model_path.exists():
-        raise FileNotFoundError(f"model path {model_path} does not exist: pass a Hugging Face directory or a .gguf file")
+    model_path = _model_path(path)
     if model_path.is_dir():
-        config_file = model_path / "config.json"
-        if not config_file.exists():
-            raise FileNotFoundError(f"{config_file} is missing: a Hugging Face model directory needs it")
-        raw_cfg = json.loads(config_file.read_text())
+        raw_cfg = _hf_config(model_path)
         config = architecture_for_hf(raw_cfg).config_from_hf(raw_cfg)
         weights = read_quantized(raw_cfg.get("quantization_config"), load_hf_weights(model_path, progress))
         eos = raw_cfg.get("eos_token_id")
         tokenizer = Tokenizer.from_hf_dir(model_path, eos if isinstance(eos, list) else [eos] if eos is not None else None)
         name = model_path.name
-    elif model_path.suffix == ".gguf":
+    else:
         reader = open_gguf(model_path)
         name = model_path.stem
         config = config_from_gguf(reader)
         weights = load_gguf_weights(reader, config, progress)
         tokenizer = Tokenizer.from_gguf(reader)
-    else:
-        raise ValueError(f"{model_path} is neither a Hugging Face model directory nor a .gguf file")
     if quantization:
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         weights = quantize_at_load(quantization, weights, head if quantize_lm_head else None)
@@ -91,6 +84,32 @@ def load_model(path: str | Path | None = None, progress: Progress | None = None,
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")
     return LoadedModel(name, config, weights, tokenizer)
+
+
+def load_config(path: str | Path | None = None) -> ModelConfig:
+    """A model's config alone, its weights unread (what a benchmark's floors need)."""
+    model_path = _model_path(path)
+    if model_path.is_dir():
+        raw_cfg = _hf_config(model_path)
+        return architecture_for_hf(raw_cfg).config_from_hf(raw_cfg)
+    return config_from_gguf(open_gguf(model_path))
+
+
+def _model_path(path: str | Path | None) -> Path:
+    """`path` (the embedded model's where None), checked to be a model directory or a GGUF file."""
+    model_path = Path(path) if path else embedded_model_path()
+    if not model_path.exists():
+        raise FileNotFoundError(f"model path {model_path} does not exist: pass a Hugging Face directory or a .gguf file")
+    if not model_path.is_dir() and model_path.suffix != ".gguf":
+        raise ValueError(f"{model_path} is neither a Hugging Face model directory nor a .gguf file")
+    return model_path
+
+
+def _hf_config(model_dir: Path) -> dict:
+    config_file = model_dir / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{config_file} is missing: a Hugging Face model directory needs it")
+    return json.loads(config_file.read_text())
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress | None = None) -> Path:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine.model_loader import embedded_model_path, load_model
+from engine.model_loader import embedded_model_path, load_config, load_model
 from engine.models import UnsupportedModel
 from engine.weights import unpermute_qk
-from tests.conftest import TINY_MODEL
+from tests.conftest import TINY_MODEL, TINY_QWEN3
 from tests.serving import ROOT
 
 GOLDEN = json.loads((TINY_MODEL.parent / "tokenizer_golden.json").read_text())
@@ -97,8 +97,15 @@ def test_convert_gguf_writes_an_equivalent_hf_directory(tmp_path, smollm2):
 def test_bad_model_paths_say_what_is_wrong(tmp_path, setup, message):
     path = tmp_path / "model"
     setup(path)
-    with pytest.raises((FileNotFoundError, ValueError), match=message):
-        load_model(path)
+    for load in (load_model, load_config):
+        with pytest.raises((FileNotFoundError, ValueError), match=message):
+            load(path)
+
+
+@pytest.mark.parametrize("path", [TINY_MODEL, TINY_QWEN3, None])
+def test_the_config_alone_is_the_loaded_models(path, request):
+    loaded = request.getfixturevalue("smollm2") if path is None else load_model(path)
+    assert load_config(path) == loaded.config
 
 
 def test_unsupported_models_are_refused_naming_the_supported_ones(tmp_path):
