@@ -1,9 +1,9 @@
 """Offline throughput of the CUDA engine (the nano-vllm benchmark): 256 requests with
 prompt and output lengths uniform in 100..1024 random tokens, eos ignored, all
-submitted at once; Llama 3.2 1B shape, bfloat16 (or FP8 layers with --format), random weights.
+submitted at once; Llama 3.2 1B shape, bfloat16 (or FP8 or INT4 layers with --format), random weights.
 
     python bench/engine_throughput.py [--model llama-3.2-1b|qwen3-0.6b] [--requests 256] [--batch-invariant]
-                                      [--format bf16|fp8|fp8-dynamic|fp8-head] [--kv-cache-dtype auto|fp8]
+                                      [--format bf16|fp8|fp8-dynamic|fp8-blocks|fp8-head|int4] [--kv-cache-dtype auto|fp8]
                                       [--kv-cache-gb G]
                                       [--no-transformers]   # NVIDIA GPU, torch
 
@@ -43,11 +43,16 @@ from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from devtools.checkpoints import SHAPES, make_model  # noqa: E402
-from devtools.quantized import fp8_model  # noqa: E402
+from devtools.quantized import MODEL_FORMATS  # noqa: E402
 from bench.floors import BANDWIDTH, PEAK, decode_costs  # noqa: E402
 
-FORMATS = {"bf16": lambda m: m, "fp8": fp8_model, "fp8-dynamic": lambda m: fp8_model(m, dynamic_activations=True),
-           "fp8-head": lambda m: fp8_model(m, head=True)}
+
+
+def weight_bytes_read(backend: CudaBackend) -> int:
+    """The bytes of one pass over the weights as uploaded (FP8 or INT4 codes and their
+    scales, where quantized): every layer matrix and the head once."""
+    w = backend.weights
+    return sum(x.nbytes for layer in w.layers for x in layer.values() if isinstance(x, LinearWeight)) + w.lm_head.nbytes
 
 
 def main() -> None:
@@ -56,9 +61,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--batch-invariant", action="store_true", help="GEMMs in fixed row tiles, as the server's flag")
-    ap.add_argument("--format", choices=sorted(FORMATS), default="bf16",
-                    help="the layers' weights: bfloat16, FP8 (per-row scales), the same with W8A8 steps "
-                         "(an FP8-dynamic checkpoint's), or FP8 with the head too")
+    ap.add_argument("--format", choices=sorted(MODEL_FORMATS), default="bf16",
+                    help="the layers' weights (devtools/quantized.py's MODEL_FORMATS): bfloat16, FP8 with a scale "
+                         "a row, the same with W8A8 steps, with 128x128 block scales, with the head too, or INT4")
     ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="bfloat16 (auto) or FP8 e4m3 K/V")
     ap.add_argument("--kv-cache-gb", type=float, help="memory for the KV cache (default: room for every request)")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the transformers run")
@@ -68,9 +73,9 @@ def main() -> None:
     output_lens = rng.integers(100, 1025, args.requests)
     tmp = tempfile.TemporaryDirectory()
     make_model(Path(tmp.name), SHAPES[args.model], seed=0)
-    model = FORMATS[args.format](load_model(tmp.name))
+    model = MODEL_FORMATS[args.format](load_model(tmp.name))
     backend = CudaBackend(model.config, model.model_weights(), batch_invariant=args.batch_invariant,
-                          kv_cache_dtype=args.kv_cache_dtype)
+                          kv_cache_dtype=args.kv_cache_dtype, int4_weights=True)
     blocks = int((prompt_lens + output_lens).sum() // 16 + 2 * args.requests)
     if args.kv_cache_gb:
         blocks = int(args.kv_cache_gb * 1e9 // backend.kv_cache_bytes_per_block(16))
@@ -102,10 +107,8 @@ def main() -> None:
     B, context = args.requests, prompt_lens.mean() + output_lens.mean() / 2
     weight_bytes, kv_bytes_per_token, flops_per_token = decode_costs(model.config)
     kv_bytes_per_token //= 2 if args.kv_cache_dtype == "fp8" else 1
-    if args.format != "bf16":  # (the bytes of the matrices as uploaded: FP8 codes and their scales)
-        w = backend.weights
-        weight_bytes = w.lm_head.nbytes + sum(x.nbytes for layer in w.layers for x in layer.values()
-                                              if isinstance(x, LinearWeight))
+    if args.format != "bf16":
+        weight_bytes = weight_bytes_read(backend)
     step_s = max((weight_bytes + B * context * kv_bytes_per_token) / BANDWIDTH, B * flops_per_token / PEAK)
     theirs = f"{transformers_static_batch(tmp.name, prompts, output_lens):.0f}" if args.transformers else "-"
     tmp.cleanup()

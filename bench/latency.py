@@ -1,14 +1,18 @@
-"""Batch-1 latency of the CUDA engine at the Llama 3.2 1B shape (bfloat16, random weights):
-time per output token (128-token prompt, 256 new tokens; greedy, and once with top-k
+"""Batch-1 latency of the CUDA engine at the Llama 3.2 1B shape (random weights, bfloat16
+or the layers in a quantized format with --format): time per output token (128-token prompt, 256 new tokens; greedy, and once with top-k
 and top-p sampling) and time to first token (one 1024-token prompt, idle engine),
 beside the floor and, in the same run, two peers: transformers' generate, and a plain
 PyTorch decode step compiled by torch.compile and replayed as a CUDA graph
 (bench/torch_decode.py; also eager in a graph).
 
-    python bench/latency.py [--no-transformers] [--no-torch]   # an NVIDIA GPU, torch and transformers
+    python bench/latency.py [--format bf16|fp8|fp8-dynamic|fp8-blocks|fp8-head|int4]
+                            [--no-transformers] [--no-torch]   # an NVIDIA GPU, torch and transformers
 
-Floors: decode reads every weight once per token (2.47 GB at the 4.27 TB/s copy
-bandwidth measured on the H200: 0.58 ms); prefill of 1024 tokens does 2.6 TFLOP
+The peers always run the bfloat16 checkpoint. INT4 stays INT4 on the GPU here (the
+server dequantizes it at load).
+
+Floors: decode reads every weight once per token (in bfloat16 2.47 GB at the 4.27 TB/s
+copy bandwidth measured on the H200: 0.58 ms; quantized, the codes and scales); prefill of 1024 tokens does 2.6 TFLOP
 (2 x 1.24 G parameters x 1024) at about 790 TFLOP/s of bf16 matmul: 3.2 ms.
 """
 
@@ -26,15 +30,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import torch_decode  # noqa: E402
-from bench.engine_throughput import StepTimeline  # noqa: E402
+from bench.engine_throughput import StepTimeline, weight_bytes_read  # noqa: E402
 from bench.floors import BANDWIDTH, PEAK  # noqa: E402
 from engine.backends.cuda.backend import CudaBackend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from devtools.checkpoints import LLAMA_32_1B, make_model  # noqa: E402
+from devtools.quantized import MODEL_FORMATS  # noqa: E402
 
-DECODE_FLOOR_MS = 2.47e9 / BANDWIDTH * 1e3
 PREFILL_FLOOR_MS = 2 * 1.24e9 * 1024 / PEAK * 1e3
 
 
@@ -77,16 +81,20 @@ def transformers_per_token(model_dir: str, prompt: list[int], new_tokens: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--format", choices=sorted(MODEL_FORMATS), default="bf16",
+                    help="our engine's weights (devtools/quantized.py's MODEL_FORMATS)")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the transformers run")
     ap.add_argument("--no-torch", dest="torch", action="store_false", help="skip the PyTorch decode step")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp), LLAMA_32_1B, seed=0)
-        model = load_model(tmp)
+        model = MODEL_FORMATS[args.format](load_model(tmp))
         prompt = list(range(1000, 1128))
         tpot, ttft, gpu_step = {}, {}, {}
         for graphs, invariant in ((False, False), (True, True), (True, False)):
-            backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=graphs, batch_invariant=invariant)
+            backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=graphs, batch_invariant=invariant,
+                                  int4_weights=True)
+            decode_floor_ms = weight_bytes_read(backend) / BANDWIDTH * 1e3
             engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=4096))
             ours(engine, prompt, 16)  # warm-up: kernels loaded, pool filled, graph captured
             # (each prompt its own: repeated, the prefix cache would hold all but its last block)
@@ -99,15 +107,16 @@ def main() -> None:
             gpu_step[graphs, invariant] = statistics.median(timeline.gpu_ms(prefill=False))
         hf_tpot = transformers_per_token(tmp, prompt, 256) if args.transformers else float("nan")
         peer = torch_decode.per_token_ms(tmp, prompt, 256) if args.torch else {}
-    rows = [("batch-1 time per output token (ms)", tpot[True, False], DECODE_FLOOR_MS),
-            ("  the same, --enforce-eager (no CUDA graphs)", tpot[False, False], DECODE_FLOOR_MS),
-            ("  the same, --batch-invariant", tpot[True, True], DECODE_FLOOR_MS),
-            ("  the same, top-k 50 and top-p 0.95 sampling", sampled_tpot, DECODE_FLOOR_MS),
-            ("  peer: transformers generate", hf_tpot, DECODE_FLOOR_MS),
-            ("  peer: PyTorch step, torch.compile + CUDA graph", peer.get("compiled", float("nan")), DECODE_FLOOR_MS),
-            ("  peer: PyTorch step, eager in a CUDA graph", peer.get("eager", float("nan")), DECODE_FLOOR_MS),
+    rows = [("batch-1 time per output token (ms)", tpot[True, False], decode_floor_ms),
+            ("  the same, --enforce-eager (no CUDA graphs)", tpot[False, False], decode_floor_ms),
+            ("  the same, --batch-invariant", tpot[True, True], decode_floor_ms),
+            ("  the same, top-k 50 and top-p 0.95 sampling", sampled_tpot, decode_floor_ms),
+            ("  peer: transformers generate", hf_tpot, decode_floor_ms),
+            ("  peer: PyTorch step, torch.compile + CUDA graph", peer.get("compiled", float("nan")), decode_floor_ms),
+            ("  peer: PyTorch step, eager in a CUDA graph", peer.get("eager", float("nan")), decode_floor_ms),
             ("time to first token, 1024-token prompt (ms)", ttft[True, False], PREFILL_FLOOR_MS),
             ("  the same, --batch-invariant", ttft[True, True], PREFILL_FLOOR_MS)]
+    print(f"weights: {args.format}")
     print(f"{'metric':<50} | {'ms':>7} | {'floor':>6}")
     for label, ms, floor in rows:
         print(f"{label:<50} | {ms:7.2f} | {floor:6.2f}")

@@ -27,27 +27,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine_throughput import StepTimeline  # noqa: E402
+from bench.engine_throughput import StepTimeline, weight_bytes_read  # noqa: E402
 from bench.floors import BANDWIDTH  # noqa: E402
 from bench.latency import ours  # noqa: E402
 from devtools.checkpoints import LLAMA_32_1B, make_model  # noqa: E402
-from devtools.quantized import fp8_model, int4_model  # noqa: E402
+from devtools.quantized import MODEL_FORMATS  # noqa: E402
 from engine.backends.cuda.backend import CudaBackend  # noqa: E402
 from engine.backends.cuda.linear import LinearWeight  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.weights import f32_to_bf16_bits  # noqa: E402
 
-FORMATS = {"bf16": lambda m: m, "fp8": fp8_model, "fp8-dynamic": lambda m: fp8_model(m, dynamic_activations=True),
-           "fp8-blocks": lambda m: fp8_model(m, (128, 128)),
-           "fp8-head": lambda m: fp8_model(m, head=True), "int4": lambda m: int4_model(m, 128)}
 KERNEL_ROWS = (1, 2, 4, 8, 16, 64, 256)
-
-
-def bytes_per_token(backend: CudaBackend) -> int:
-    """What a batch-1 decode step must read: every layer matrix and the head once."""
-    w = backend.weights
-    return sum(x.nbytes for layer in w.layers for x in layer.values() if isinstance(x, LinearWeight)) + w.lm_head.nbytes
 
 
 def end_to_end(model, name: str) -> tuple[dict, CudaBackend]:
@@ -60,8 +51,8 @@ def end_to_end(model, name: str) -> tuple[dict, CudaBackend]:
     timeline = StepTimeline(backend)
     tpot = ours(engine, prompt, 256)[1]
     gpu = statistics.median(timeline.gpu_ms(prefill=False))
-    floor = bytes_per_token(backend) / BANDWIDTH * 1e3
-    return dict(format=name, gb=bytes_per_token(backend) / 1e9, floor=floor, tpot=tpot, gpu=gpu, ttft=ttft), backend
+    floor = weight_bytes_read(backend) / BANDWIDTH * 1e3
+    return dict(format=name, gb=weight_bytes_read(backend) / 1e9, floor=floor, tpot=tpot, gpu=gpu, ttft=ttft), backend
 
 
 def replay_us(backend: CudaBackend, one_pass, products: int) -> float:
@@ -132,7 +123,7 @@ def main() -> None:
         make_model(Path(tmp), LLAMA_32_1B, seed=0)
         base = load_model(tmp)
         for name in args.formats.split(","):
-            model = FORMATS[name](base)
+            model = MODEL_FORMATS[name](base)
             if args.kernels_only:
                 backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False, int4_weights=True)
             else:

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -189,3 +190,15 @@ def fp8_model(model: LoadedModel, block: tuple[int, int] | None = None, head: bo
         name: dataclasses.replace(fp8_fast(t.float32(), block), dynamic_activations=dynamic_activations)
         if is_layer_matrix(name, t) or (head and name == head_name) else t
         for name, t in model.weights.items()})
+
+
+# The benchmarks' --format: a bfloat16 model's layer matrices (and the head, with fp8-head)
+# in each format the GPU serves, as --quantization fp8 and the checkpoints of each give them.
+MODEL_FORMATS: dict[str, Callable[[LoadedModel], LoadedModel]] = {
+    "bf16": lambda m: m,
+    "fp8": fp8_model,  # a scale a row
+    "fp8-dynamic": lambda m: fp8_model(m, dynamic_activations=True),  # W8A8 steps, as FP8-dynamic checkpoints
+    "fp8-blocks": lambda m: fp8_model(m, FP8_BLOCK),  # Hugging Face's fp8 checkpoints
+    "fp8-head": lambda m: fp8_model(m, head=True),  # --quantize-lm-head: the tied head too
+    "int4": int4_model,  # groups of 128 with zero points, as AWQ and GPTQ checkpoints
+}
