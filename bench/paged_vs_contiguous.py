@@ -12,7 +12,9 @@ each value a row): with none it admits while prompts fit and preempts (recomputi
 when outputs outgrow the cache.
 
 Prints, for each scheme: the sequences the memory holds at full length, the mean and
-peak number of sequences running per step, preemptions, steps, and output tokens/s.
+peak number of sequences running per step, preemptions, steps, and output tokens/s;
+on the GPU beside its floor: decode steps of the scheme's mean running sequences at the
+workload's mean context, on an H200 (bench/floors.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.floors import decode_floor_tokens_per_s  # noqa: E402
 from engine.backends import create_backend  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
@@ -81,12 +84,15 @@ def main() -> None:
     print(f"{model.config.num_layers}-layer model on {backend.name}; KV cache {args.kv_cache_gb} GB = {budget_tokens} tokens; "
           f"{args.requests} requests, input {args.input_len}, output {args.output_len}, context {args.max_model_len}")
     print(f"{'scheme':<40} | {'seqs at full length':>19} | {'mean running':>12} | {'peak':>5} | {'preempt':>7} | "
-          f"{'steps':>6} | {'out tok/s':>9}")
+          f"{'steps':>6} | {'out tok/s':>9} | {'floor':>7}")
+    context = np.mean([len(p) for p in prompts]) + np.mean(outputs) / 2
     schemes = [(f"paged, 16-token blocks, reserve {r}", 16, float(r)) for r in args.output_reserve.split(",")]
     for label, bs, reserve in schemes + [(f"contiguous, one {args.max_model_len}-token slab", args.max_model_len, 0.0)]:
         r = run(model, backend, bs, budget_tokens // bs, reserve, args, prompts, outputs)
+        floor = (f"{decode_floor_tokens_per_s(model.config, r['mean'], context):7.0f}" if backend.name == "cuda"
+                 else "      -")
         print(f"{label:<40} | {r['fits']:>19} | {r['mean']:12.1f} | {r['peak']:>5} | {r['preemptions']:>7} | "
-              f"{r['steps']:>6} | {r['tok_s']:9.1f}", flush=True)
+              f"{r['steps']:>6} | {r['tok_s']:9.1f} | {floor}", flush=True)
 
 
 if __name__ == "__main__":
