@@ -1,7 +1,8 @@
 """Quantized checkpoints (engine/quantization): FP8 e4m3 against ml_dtypes' float8
 (the reference implementation JAX uses), each INT4 layout unpacked against a plain
 per-element reading of its documented packing, checkpoints written and read back by the
-compressed-tensors library itself (tests/golden/make_quantized_fixtures.py), a tiny
+compressed-tensors library itself (tests/golden/make_quantized_fixtures.py) and by
+GPTQModel (AWQ and GPTQ: tests/golden/make_int4_fixtures.py), a tiny
 model written in each format and served by the numpy backend, and the errors for
 formats llamastream does not serve."""
 
@@ -213,23 +214,40 @@ def prompt_logits(engine: LLMEngine, ids: list[int]) -> tuple[np.ndarray, np.nda
     return logits, slots
 
 
+def assert_reads_as_golden(model, golden, scheme: str, kind: type, rtol: float = 1e-6) -> None:
+    """Every layer matrix of `model` equals the golden file's dequantization of it (to
+    `rtol`), and the numpy backend's logits of its prompts its logits."""
+    names = [k.split("/", 1)[1] for k in golden.files if k.startswith(f"{scheme}/model.")]
+    assert len(names) == 14
+    for name in names:
+        ours = model.weights[name]
+        assert isinstance(ours, kind), name
+        np.testing.assert_allclose(ours.float32(), golden[f"{scheme}/{name}"], rtol=rtol, atol=rtol / 10, err_msg=name)
+    for i in range(3):
+        logits, _ = prompt_logits(numpy_engine(model), golden[f"ids{i}"].tolist())
+        assert np.abs(logits - golden[f"{scheme}/logits{i}"]).max() < 1e-4
+
+
 @pytest.mark.parametrize("scheme", COMPRESSED_TENSORS)
 def test_compressed_tensors_checkpoints_read_as_the_library_decompresses_them(scheme):
     """compressed-tensors wrote these checkpoints (asymmetric INT4 groups with packed
     zero points, symmetric INT4, FP8 per row and per tensor) and decompressed them in
     transformers: our weights are its weights, and our logits its model's."""
-    golden = np.load(TINY_MODEL.parent / "tiny_llama_quantized_golden.npz")
     model = load_model(TINY_MODEL.parent / f"tiny-llama-{scheme}")
     assert model.weight_format == scheme.split("-")[0].replace("w4a16", "int4")
-    names = [k.split("/", 1)[1] for k in golden.files if k.startswith(f"{scheme}/model.")]
-    assert len(names) == 14
-    for name in names:
-        ours = model.weights[name]
-        assert isinstance(ours, Int4Weight if scheme.startswith("w4") else Fp8Weight), name
-        np.testing.assert_allclose(ours.float32(), golden[f"{scheme}/{name}"], rtol=1e-6, atol=1e-7, err_msg=name)
-    for i in range(3):
-        logits, _ = prompt_logits(numpy_engine(model), golden[f"ids{i}"].tolist())
-        assert np.abs(logits - golden[f"{scheme}/logits{i}"]).max() < 1e-4
+    assert_reads_as_golden(model, np.load(TINY_MODEL.parent / "tiny_llama_quantized_golden.npz"), scheme,
+                           Int4Weight if scheme.startswith("w4") else Fp8Weight)
+
+
+@pytest.mark.parametrize("scheme", ["gptq-act-order", "gptq-sym", "awq"])
+def test_gptq_and_awq_checkpoints_read_as_gptqmodel_dequantizes_them(scheme):
+    """GPTQModel quantized, wrote and read back these checkpoints (GPTQ with act-order
+    and asymmetric groups in the original format, GPTQ symmetric, AWQ's GEMM layout;
+    tests/golden/make_int4_fixtures.py): our weights are its dequantized weights, to the
+    bit, and our logits those of transformers' float32 model holding them."""
+    model = load_model(TINY_MODEL.parent / f"tiny-llama-{scheme}")
+    assert model.weight_format == "int4"
+    assert_reads_as_golden(model, np.load(TINY_MODEL.parent / "tiny_llama_int4_golden.npz"), scheme, Int4Weight, rtol=0)
 
 
 def perplexity(engine: LLMEngine, text: str) -> float:
