@@ -14,6 +14,7 @@ import shutil
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from devtools.quantized import FORMATS, write_quantized
 from engine.backends import create_backend
@@ -160,6 +161,15 @@ def test_a_config_that_does_not_match_its_tensors_names_the_tensor(tmp_path):
     (tmp_path / "awq" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"model\.layers\.\d+\.\S+: its packed weights"):
         load_model(tmp_path / "awq")
+
+
+def test_calibrated_kv_scales_are_set_aside_saying_the_fp8_cache_does_not_read_them(tmp_path, caplog):
+    write_quantized(TINY_MODEL, tmp_path / "m", "fp8-channel")
+    save_file({f"model.layers.{i}.self_attn.{kv}_scale": np.array(0.05, np.float32) for i in range(2) for kv in "kv"},
+              str(tmp_path / "m" / "kv_scales.safetensors"))
+    model = load_model(tmp_path / "m")
+    assert not [name for name in model.weights if name.endswith("_scale")]
+    assert "model.layers.0.self_attn.k_scale and 3 more" in caplog.text and "scale of 1" in caplog.text
 
 
 @pytest.mark.parametrize("block", [[8, 8], [256, 256]])
