@@ -1,10 +1,11 @@
 """Offline throughput of the CUDA engine (the nano-vllm benchmark): 256 requests with
 prompt and output lengths uniform in 100..1024 random tokens, eos ignored, all
-submitted at once; Llama 3.2 1B shape, bfloat16 (or FP8 or INT4 layers with --format), random weights.
+submitted at once; Llama 3.2 1B shape, bfloat16 (or FP8 or INT4 layers with --format,
+INT4 kept INT4 on the GPU), random weights.
 
     python bench/engine_throughput.py [--model llama-3.2-1b|qwen3-0.6b] [--requests 256] [--batch-invariant]
-                                      [--format bf16|fp8|fp8-dynamic|fp8-blocks|fp8-head|int4] [--kv-cache-dtype auto|fp8]
-                                      [--kv-cache-gb G]
+                                      [--format bf16|fp8|fp8-dynamic|fp8-blocks|fp8-head|int4]
+                                      [--kv-cache-dtype auto|fp8] [--kv-cache-gb G]
                                       [--no-transformers]   # NVIDIA GPU, torch
 
 By default the KV cache holds every request at once; `--kv-cache-gb` gives it that much
@@ -45,7 +46,6 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from devtools.checkpoints import SHAPES, make_model  # noqa: E402
 from devtools.quantized import MODEL_FORMATS  # noqa: E402
 from bench.floors import BANDWIDTH, PEAK, decode_costs  # noqa: E402
-
 
 
 def weight_bytes_read(backend: CudaBackend) -> int:

@@ -1,19 +1,19 @@
-"""Batch-1 latency of the CUDA engine at the Llama 3.2 1B shape (random weights, bfloat16
-or the layers in a quantized format with --format): time per output token (128-token prompt, 256 new tokens; greedy, and once with top-k
-and top-p sampling) and time to first token (one 1024-token prompt, idle engine),
-beside the floor and, in the same run, two peers: transformers' generate, and a plain
-PyTorch decode step compiled by torch.compile and replayed as a CUDA graph
-(bench/torch_decode.py; also eager in a graph).
+"""Batch-1 latency of the CUDA engine at the Llama 3.2 1B shape (random weights; bfloat16,
+or the layers in a quantized format with --format): time per output token (128-token
+prompt, 256 new tokens; greedy, and once with top-k and top-p sampling) and time to
+first token (one 1024-token prompt, idle engine), beside the floor and, in the same
+run, two peers: transformers' generate, and a plain PyTorch decode step compiled by
+torch.compile and replayed as a CUDA graph (bench/torch_decode.py; also eager in a
+graph). The peers run the bfloat16 checkpoint; INT4 stays INT4 on the GPU here (the
+server dequantizes it at load).
 
     python bench/latency.py [--format bf16|fp8|fp8-dynamic|fp8-blocks|fp8-head|int4]
                             [--no-transformers] [--no-torch]   # an NVIDIA GPU, torch and transformers
 
-The peers always run the bfloat16 checkpoint. INT4 stays INT4 on the GPU here (the
-server dequantizes it at load).
-
 Floors: decode reads every weight once per token (in bfloat16 2.47 GB at the 4.27 TB/s
-copy bandwidth measured on the H200: 0.58 ms; quantized, the codes and scales); prefill of 1024 tokens does 2.6 TFLOP
-(2 x 1.24 G parameters x 1024) at about 790 TFLOP/s of bf16 matmul: 3.2 ms.
+copy bandwidth measured on the H200: 0.58 ms; quantized, its codes and scales);
+prefill of 1024 tokens does 2.6 TFLOP (2 x 1.24 G parameters x 1024) at about 790
+TFLOP/s of bf16 matmul: 3.2 ms.
 """
 
 from __future__ import annotations
