@@ -25,6 +25,7 @@ from engine.backends.cpu import kernels as cpu_kernels
 from engine.backends.cpu.backend import CpuBackend
 from engine.backends.cpu.kernels import CpuKernels, addr
 from engine.backends.cpu.weights import CpuLinear, repack
+from engine.model_loader import load_model
 from engine.quantization.fp8 import Fp8Weight, e4m3_to_f32, f32_to_e4m3
 from engine.quantization.gguf import GgufWeight
 from engine.quantization.int4 import Int4Weight
@@ -408,8 +409,12 @@ def test_auto_takes_the_cpu_backend_without_a_gpu_and_numpy_without_a_compiler(t
         create_backend("cpu", tiny_model.config, weights)
 
 
+QUANTIZED_CHECKPOINTS = ["tiny-llama-gptq-act-order", "tiny-llama-gptq-sym", "tiny-llama-awq", "tiny-llama-w4a16-asym",
+                         "tiny-llama-fp8-channel"]  # (written by GPTQModel and compressed-tensors: test_quantization.py)
+
+
 def test_tiny_models_on_the_cpu_backend_match_numpy(tiny_model, tiny_qwen3):
-    for model in (tiny_model, tiny_qwen3):
+    for model in [tiny_model, tiny_qwen3] + [load_model(FIXTURES / name) for name in QUANTIZED_CHECKPOINTS]:
         prompts = [[1, 5, 9, 2], list(range(3, 40))]
         results = []
         for engine in (make_engine(model), cpu_engine(model)):
