@@ -6,9 +6,10 @@ do): the K/V bytes it reads per second against the bandwidth floor, at the Llama
 1B shape (32 query heads, 8 KV heads, head_dim 64, 16-token blocks scattered over the
 cache), for a few batches and the engine's 512- and 128-position partitions (and 64,
 256 and 1024 for comparison: at small batches shorter partitions give more blocks and
-shorter chains of loads).
+shorter chains of loads). `--kv-cache-dtype fp8` times the kernels built for an e4m3
+cache (half the bytes; each code widened to bfloat16 as it is read).
 
-    python bench/decode_attention.py [--sources DIR]   # on a machine with an NVIDIA GPU
+    python bench/decode_attention.py [--sources DIR] [--kv-cache-dtype auto|fp8]   # on a machine with an NVIDIA GPU
 
 --sources compiles another version of cuda_src/ whose kernels take the arguments the
 launchers of engine/backends/cuda/kernels.py pass, e.g. an earlier commit's:
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.floors import BANDWIDTH  # noqa: E402
+from engine.backends.base import KV_CACHE_DTYPES, is_fp8_kv_cache  # noqa: E402
 from engine.backends.cuda.kernels import CUDA_SRC, Kernels, PagedAttention  # noqa: E402
 from engine.weights import f32_to_bf16_bits  # noqa: E402
 
@@ -48,8 +50,9 @@ SPIN_SOURCE = """extern "C" __global__ void spin(long long cycles) {
 SPIN_CYCLES = 20_000_000
 
 
-def inputs(contexts: list[int], rng: np.random.Generator) -> dict:
-    """Random bf16 Q and cache; each sequence's blocks drawn from a shuffled pool."""
+def inputs(contexts: list[int], rng: np.random.Generator, fp8: bool) -> dict:
+    """Random bf16 Q and cache (e4m3 codes where `fp8`); each sequence's blocks drawn
+    from a shuffled pool."""
     blocks = np.array([-(-c // BLOCK) for c in contexts])
     pool, ends = rng.permutation(blocks.sum()), np.cumsum(blocks)
     tables = np.zeros((len(contexts), blocks.max()), np.int32)
@@ -59,13 +62,21 @@ def inputs(contexts: list[int], rng: np.random.Generator) -> dict:
 
     def bf16(shape: tuple[int, ...]) -> gpuarray.GPUArray:
         return gpuarray.to_gpu(f32_to_bf16_bits(rng.standard_normal(shape, np.float32)))
+
+    def cache() -> gpuarray.GPUArray:
+        if not fp8:
+            return bf16(cache_shape)
+        # (e4m3 codes 0x00..0x47 of either sign: magnitudes 0 to 3.75)
+        sign = rng.integers(0, 2, cache_shape, np.uint8) << 7
+        return gpuarray.to_gpu(rng.integers(0, 0x48, cache_shape, np.uint8) | sign)
     return {
         "qkv": bf16((len(contexts), (HEADS + 2 * KV_HEADS) * HEAD_DIM)),
-        "k": bf16(cache_shape), "v": bf16(cache_shape),
+        "k": cache(), "v": cache(),
         "tables": gpuarray.to_gpu(tables), "max_blocks": tables.shape[1],
         "token_seq": gpuarray.to_gpu(np.arange(len(contexts), dtype=np.int32)),
         "positions": gpuarray.to_gpu(np.array(contexts, np.int32) - 1),
-        "bytes": sum(contexts) * KV_HEADS * HEAD_DIM * 2 * 2, "longest": max(contexts), "tokens": len(contexts),
+        "bytes": sum(contexts) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2),
+        "longest": max(contexts), "tokens": len(contexts),
     }
 
 
@@ -104,11 +115,14 @@ def time_launches(spin, launch: Callable[[], None]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sources", type=Path, default=CUDA_SRC, help="a cuda_src/ folder (default: this checkout's)")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="bfloat16 (auto) or e4m3 K/V")
     args = ap.parse_args()
+    fp8 = is_fp8_kv_cache(args.kv_cache_dtype)
     device = cuda.Context.get_device()
     major, minor = device.compute_capability()
     kernels = Kernels(HEAD_DIM, HEADS // KV_HEADS, f"sm_{major}{minor}",
-                      device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT), sources=args.sources)
+                      device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT), kv_cache_fp8=fp8,
+                      sources=args.sources)
     spin = SourceModule(SPIN_SOURCE, no_extern_c=True).get_function("spin")
     loads = {False: "one chunk", True: "a chunk ahead"}
     for name in ("paged_attention_partial", "paged_attention_partial_prefetch"):
@@ -121,7 +135,7 @@ def main() -> None:
     print(f"{'batch':>26} | {'partition':>9} | {'pass 2':>12} | {'loads':>13} | {'us':>7} | {'K/V TB/s':>8} | "
           f"{'floor us':>8}")
     for name, contexts in cases.items():
-        x = inputs(contexts, rng)
+        x = inputs(contexts, rng, fp8)
         for partition in (64, 128, 256, 512, 1024):
             for merge_in_kernel, prefetch in itertools.product((False, True), loads):
                 seconds = time_attention(kernels, spin, x, partition, merge_in_kernel, prefetch)
