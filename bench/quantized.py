@@ -51,8 +51,9 @@ def end_to_end(model, name: str) -> tuple[dict, CudaBackend]:
     timeline = StepTimeline(backend)
     tpot = ours(engine, prompt, 256)[1]
     gpu = statistics.median(timeline.gpu_ms(prefill=False))
-    floor = weight_bytes_read(backend) / BANDWIDTH * 1e3
-    return dict(format=name, gb=weight_bytes_read(backend) / 1e9, floor=floor, tpot=tpot, gpu=gpu, ttft=ttft), backend
+    weight_bytes = weight_bytes_read(backend)
+    return dict(format=name, gb=weight_bytes / 1e9, floor=weight_bytes / BANDWIDTH * 1e3, tpot=tpot, gpu=gpu,
+                ttft=ttft), backend
 
 
 def replay_us(backend: CudaBackend, one_pass, products: int) -> float:

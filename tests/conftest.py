@@ -10,7 +10,6 @@ import pytest
 from hypothesis import settings
 
 from engine.backends import create_backend
-from engine.backends.numpy_backend import NumpyBackend
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import LoadedModel, load_model
 from engine.output import RequestOutput
@@ -46,9 +45,7 @@ def smollm2() -> LoadedModel:
 def make_engine(model: LoadedModel, device: str = "numpy", **config) -> LLMEngine:
     """An engine over `model` on the numpy backend, or on another --device's."""
     config.setdefault("num_kv_blocks", 256)
-    backend = (NumpyBackend(model.config, model.model_weights()) if device == "numpy"
-               else create_backend(device, model.config, model.model_weights()))
-    return LLMEngine(model, backend, EngineConfig(**config))
+    return LLMEngine(model, create_backend(device, model.config, model.model_weights()), EngineConfig(**config))
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
