@@ -117,9 +117,10 @@ static inline __m256 e4m3x8(const uint8_t *p) {
 
 // rope_and_cache: rotate the query and key heads of qkv [rows, (heads + 2 kv_heads) d]
 // in place, then copy each row's K and V to its cache slot ([slots, kv_heads, d] caches
-// of float32, or of e4m3 codes where fp8).
+// of float32, or where fp8 of e4m3 codes of K * k_inv and V * v_inv: the reciprocals of
+// the layer's scales, engine/quantization/kv_cache.py).
 void rope_and_cache(float *qkv, int rows, int heads, int kv_heads, int d, const float *cos, const float *sin,
-                    const int64_t *slots, void *k_cache, void *v_cache, int fp8) {
+                    const int64_t *slots, void *k_cache, void *v_cache, int fp8, float k_inv, float v_inv) {
     const int ld = (heads + 2 * kv_heads) * d, kv = kv_heads * d;
     rope_heads(qkv, ld, rows, heads + kv_heads, d, cos, sin);
     for (int r = 0; r < rows; r++) {
@@ -127,8 +128,8 @@ void rope_and_cache(float *qkv, int rows, int heads, int kv_heads, int d, const 
         if (fp8) {
             uint8_t *kc = (uint8_t *)k_cache + slots[r] * kv, *vc = (uint8_t *)v_cache + slots[r] * kv;
             for (int i = 0; i < kv; i++) {
-                kc[i] = e4m3_of(k[i]);
-                vc[i] = e4m3_of(k[kv + i]);
+                kc[i] = e4m3_of(k[i] * k_inv);
+                vc[i] = e4m3_of(k[kv + i] * v_inv);
             }
         } else {
             memcpy((float *)k_cache + slots[r] * kv, k, kv * sizeof(float));
@@ -169,7 +170,7 @@ struct attention_args {
     int heads, kv_heads, d, fp8;
     const int *q_row, *n, *start;
     const int64_t *slots, *slot_at;
-    float scale;
+    float scale, v_scale;
 };
 
 // Scores of a thread's tasks: grown as contexts need, kept between calls.
@@ -291,7 +292,7 @@ static inline __attribute__((always_inline)) void query_tile(const int tn, const
     float inv[QUERY_TILE];
     for (int r = 0; r < tn; r++) {
         float *row = scores + r * stride;
-        inv[r] = 1.0f / softmax_numerators(row, visible[r], max_of(row, visible[r]));
+        inv[r] = a->v_scale / softmax_numerators(row, visible[r], max_of(row, visible[r]));
         for (int j = visible[r]; j < last; j++) row[j] = 0.0f;
     }
     // (as many groups of 8 values at once as the rows' sums leave registers for)
@@ -332,14 +333,15 @@ static void attention_tasks(void *ctx, int begin, int end) {
 // paged_attention of every sequence of a step. Sequence s has n[s] query rows from row
 // q_row[s] of qkv (its positions start[s]..), and the cache slots of its positions
 // 0..start[s]+n[s]-1 at slots + slot_at[s]. out [rows, heads * d]. The caches hold
-// float32, or e4m3 codes (fp8: widened as they are read). The work is shared out by
-// (sequence, kv head): each task reads its keys and values once for all the queries
-// that attend to them.
+// float32, or e4m3 codes (fp8: widened as they are read; `scale`, the softmax's, carries
+// the keys' cache scale and v_scale multiplies the output: engine/quantization/kv_cache.py).
+// The work is shared out by (sequence, kv head): each task reads its keys and values once
+// for all the queries that attend to them.
 void attention(float *out, const float *qkv, int heads, int kv_heads, int d, int num_seqs, const int *q_row,
                const int *n, const int *start, const int64_t *slots, const int64_t *slot_at, const void *k_cache,
-               const void *v_cache, float scale, int fp8) {
+               const void *v_cache, float scale, int fp8, float v_scale) {
     struct attention_args a = {out,   qkv, k_cache, v_cache, heads, kv_heads, d, fp8, q_row, n, start, slots, slot_at,
-                               scale};
+                               scale, v_scale};
     size_t work = 0;  // multiply-adds, as many again for the values
     for (int s = 0; s < num_seqs; s++) work += (size_t)n[s] * (start[s] + n[s]) * heads * d;
     const int tasks = num_seqs * kv_heads;

@@ -16,7 +16,10 @@
 // positions 0..p of s, whose K/V sit at offset j % bs of cache block block_table[s][j / bs]
 // (bs = 2^block_shift: kv_cache.cuh).
 //
-//   out[t, h, :] = sum_j softmax_j(q[t, h] . k[j, h / GROUP] * scale) v[j, h / GROUP]
+//   out[t, h, :] = sum_j softmax_j(q[t, h] . k[j, h / GROUP] * scale) v[j, h / GROUP] * v_scale
+//
+// (An FP8 cache holds K and V over the layer's scales: `scale` is the softmax's times
+// K's, v_scale V's; 1 for a bfloat16 cache. engine/quantization/kv_cache.py.)
 //
 // Pass 1 splits each token's context into partitions of `partition` positions and
 // leaves, per (token, head, partition), the unnormalised output with its softmax max
@@ -132,7 +135,7 @@ __device__ __forceinline__ void load_chunk(ChunkFragments& f, const kv_t* __rest
 #define MERGE_LANES (WARPS * 32 / MERGE_COLS)  // threads a column
 __device__ __forceinline__ void merge_in_block(bf16* __restrict__ out, const float* part_acc, const float* part_max,
                                                const float* part_sum, int t, int heads, int kvh, int partitions,
-                                               int spanned) {
+                                               int spanned, float v_scale) {
     __shared__ float4 num_s[MERGE_LANES][GROUP][MERGE_COLS];
     __shared__ float max_s[MERGE_LANES][GROUP], den_s[MERGE_LANES][GROUP];
     const size_t base = ((size_t)t * heads + kvh * GROUP) * partitions;  // head kvh * GROUP + h's at base + h * partitions
@@ -181,7 +184,7 @@ __device__ __forceinline__ void merge_in_block(bf16* __restrict__ out, const flo
             n += w * reinterpret_cast<const float*>(num_s[k][h])[d];
             sum += w * den_s[k][h];
         }
-        out[((size_t)t * heads + kvh * GROUP + h) * HEAD_DIM + d] = to_bf16(n / sum);
+        out[((size_t)t * heads + kvh * GROUP + h) * HEAD_DIM + d] = to_bf16(n / sum * v_scale);
     }
 }
 
@@ -201,7 +204,7 @@ __device__ __forceinline__ void decode_attention(
     const kv_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks,  // [seqs, max_blocks]
     const int* __restrict__ token_seq, const int* __restrict__ positions,
-    int heads, int kv_heads, int block_shift, int partition, float scale) {
+    int heads, int kv_heads, int block_shift, int partition, float scale, float v_scale) {
     __shared__ int blocks_s[MAX_PART_BLOCKS];
     __shared__ float m_s[WARPS][GROUP], l_s[WARPS][GROUP];
     __shared__ float acc_s[WARPS][GROUP][HEAD_DIM];
@@ -335,7 +338,7 @@ __device__ __forceinline__ void decode_attention(
             }
         }
         if (arrivals && spanned == 1) {
-            out[((size_t)t * heads + kvh * GROUP + h) * HEAD_DIM + d] = to_bf16(acc / l);
+            out[((size_t)t * heads + kvh * GROUP + h) * HEAD_DIM + d] = to_bf16(acc / l * v_scale);
             continue;
         }
         const size_t part_idx = ((size_t)t * heads + kvh * GROUP + h) * gridDim.z + part;
@@ -360,7 +363,7 @@ __device__ __forceinline__ void decode_attention(
     __syncthreads();
     if (!last_s) return;
     __threadfence();
-    merge_in_block(out, part_acc, part_max, part_sum, t, heads, kvh, gridDim.z, spanned);
+    merge_in_block(out, part_acc, part_max, part_sum, t, heads, kvh, gridDim.z, spanned, v_scale);
 }
 
 // The two builds of decode_attention, parameters as there.
@@ -369,9 +372,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     float* __restrict__ part_sum, const bf16* __restrict__ qkv, const kv_t* __restrict__ k_cache,
     const kv_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int heads, int kv_heads, int block_shift,
-    int partition, float scale) {
+    int partition, float scale, float v_scale) {
     decode_attention<false>(out, arrivals, part_acc, part_max, part_sum, qkv, k_cache, v_cache, block_tables, max_blocks,
-                            token_seq, positions, heads, kv_heads, block_shift, partition, scale);
+                            token_seq, positions, heads, kv_heads, block_shift, partition, scale, v_scale);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial_prefetch(
@@ -379,9 +382,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) paged_attention_partial
     float* __restrict__ part_sum, const bf16* __restrict__ qkv, const kv_t* __restrict__ k_cache,
     const kv_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ positions, int heads, int kv_heads, int block_shift,
-    int partition, float scale) {
+    int partition, float scale, float v_scale) {
     decode_attention<true>(out, arrivals, part_acc, part_max, part_sum, qkv, k_cache, v_cache, block_tables, max_blocks,
-                           token_seq, positions, heads, kv_heads, block_shift, partition, scale);
+                           token_seq, positions, heads, kv_heads, block_shift, partition, scale, v_scale);
 }
 
 // Pass 1 for prompt tokens (prefill): the same partial results as
@@ -457,7 +460,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
     const bf16* __restrict__ qkv, const kv_t* __restrict__ k_cache, const kv_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ token_seq,
     const int* __restrict__ positions, const int* __restrict__ tiles,
-    int heads, int kv_heads, int block_shift, int partition, float scale) {
+    int heads, int kv_heads, int block_shift, int partition, float scale, float v_scale) {
     await_previous_kernel();
 #if defined(PREFILL_WGMMA)  // two buffers of K and of V, swizzled: tile_s(0 or 1, buffer) (the extra KB aligns them)
     __shared__ __align__(16) uint8_t kv_s[4 * KV_TILE * 128 + 1024];
@@ -666,7 +669,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
             bf16* out_row = out + ((size_t)row_t[i] * heads + row_h[i]) * HEAD_DIM;
 #pragma unroll
             for (int j = 0; j < DIM_BLOCKS; j++)
-                *reinterpret_cast<uint32_t*>(out_row + j * 8 + 2 * quad) = pack_bf16(o[j][2 * i] / l, o[j][2 * i + 1] / l);
+                *reinterpret_cast<uint32_t*>(out_row + j * 8 + 2 * quad) = pack_bf16(o[j][2 * i] / l * v_scale, o[j][2 * i + 1] / l * v_scale);
             continue;
         }
         const size_t part_idx = ((size_t)row_t[i] * heads + row_h[i]) * gridDim.z + part;
@@ -689,11 +692,11 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
 extern "C" __global__ void paged_attention_merge(bf16* __restrict__ out, const float* __restrict__ part_acc,
                                                  const float* __restrict__ part_max,
                                                  const float* __restrict__ part_sum, const int* __restrict__ positions,
-                                                 int partition, int partitions) {
+                                                 int partition, int partitions, float v_scale) {
     await_previous_kernel();
     const int t = blockIdx.x, h = blockIdx.y * blockDim.y + threadIdx.y, heads = gridDim.y * blockDim.y;
     const int d = threadIdx.x;
     const int spanned = min(partitions, positions[t] / partition + 1);
     out[((size_t)t * heads + h) * HEAD_DIM + d] =
-        to_bf16(merge_partitions(part_acc, part_max, part_sum, ((size_t)t * heads + h) * partitions, spanned, d));
+        to_bf16(merge_partitions(part_acc, part_max, part_sum, ((size_t)t * heads + h) * partitions, spanned, d) * v_scale);
 }

@@ -76,6 +76,7 @@ struct RopeCache {
     const int* slots;
     const float2* cos_sin;  // [positions, head_dim / 2] (rope_cache.cu)
     int heads, kv_heads, head_dim, block_shift;
+    float k_inv, v_inv;  // (rope_cache.cu)
 };
 
 // The token's inputs to the rotation and the cache write. Step metadata and the
@@ -100,8 +101,8 @@ __device__ __forceinline__ void store_rope_pair(bf16* __restrict__ qkv, const Ro
     const float x1 = round_bf16(sums[0]), x2 = round_bf16(sums[1]);  // (qkv's bfloat16 values)
     if (head >= c.heads + c.kv_heads) {  // v, as it is
         kv_t* v = c.v_cache + cache_offset(c, row, head - c.heads - c.kv_heads);
-        v[i] = to_kv(x1);
-        v[i + half] = to_kv(x2);
+        v[i] = to_kv(x1, c.v_inv);
+        v[i + half] = to_kv(x2, c.v_inv);
         return;
     }
     const float2 y = rope_rotate(x1, x2, cs);
@@ -111,8 +112,8 @@ __device__ __forceinline__ void store_rope_pair(bf16* __restrict__ qkv, const Ro
         q[i + half] = to_bf16(y.y);
     } else {
         kv_t* k = c.k_cache + cache_offset(c, row, head - c.heads);
-        k[i] = to_kv(y.x);
-        k[i + half] = to_kv(y.y);
+        k[i] = to_kv(y.x, c.k_inv);
+        k[i + half] = to_kv(y.y, c.k_inv);
     }
 }
 
@@ -352,30 +353,32 @@ extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope(bf16* __restrict__
                                                          kv_t* __restrict__ v_cache, const int* __restrict__ positions,
                                                          const int* __restrict__ slots, const float2* __restrict__ cos_sin,
                                                          int heads, int kv_heads, int head_dim, int block_shift,
-                                                         int d_in, int d_out) {
+                                                         float k_inv, float v_inv, int d_in, int d_out) {
     gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_BF16>(
         qkv, false, residual, norm_weight, eps, bf16_weight(w), d_in, d_out,
-        {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift});
+        {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift, k_inv, v_inv});
 }
 
 extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope_fp8(
     bf16* __restrict__ qkv, const float* __restrict__ residual, const bf16* __restrict__ norm_weight, float eps,
     const uint8_t* __restrict__ w, const float* __restrict__ w_scale, int scale_cols, kv_t* __restrict__ k_cache,
     kv_t* __restrict__ v_cache, const int* __restrict__ positions, const int* __restrict__ slots,
-    const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int block_shift, int d_in, int d_out) {
+    const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int block_shift, float k_inv, float v_inv,
+    int d_in, int d_out) {
     gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_FP8>(
         qkv, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in, d_out,
-        {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift});
+        {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift, k_inv, v_inv});
 }
 
 extern "C" __global__ void GEMV_PAIR_BOUNDS gemv_rmsnorm_rope_int4(
     bf16* __restrict__ qkv, const float* __restrict__ residual, const bf16* __restrict__ norm_weight, float eps,
     const uint8_t* __restrict__ w, const float* __restrict__ w_scale, int scale_cols, kv_t* __restrict__ k_cache,
     kv_t* __restrict__ v_cache, const int* __restrict__ positions, const int* __restrict__ slots,
-    const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int block_shift, int d_in, int d_out) {
+    const float2* __restrict__ cos_sin, int heads, int kv_heads, int head_dim, int block_shift, float k_inv, float v_inv,
+    int d_in, int d_out) {
     gemv_rows<X_RMSNORM, Y_ROPE_AND_CACHE, W_INT4>(
         qkv, false, residual, norm_weight, eps, {w, w_scale, scale_cols}, d_in, d_out,
-        {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift});
+        {k_cache, v_cache, positions, slots, cos_sin, heads, kv_heads, head_dim, block_shift, k_inv, v_inv});
 }
 
 // act = silu_and_mul(RMSNorm(residual) @ w^T), w = [gate | up] of 2 * d_out rows;

@@ -1,7 +1,9 @@
 // The paged KV cache's element, as the kernels that write it (rope_cache.cu, gemv.cu)
 // and read it (attention.cu) see it: bfloat16, or, in the build with -DKV_CACHE_FP8
-// (--kv-cache-dtype fp8), an e4m3 code with a scale of 1, half the bytes. Either way
-// the attention kernels compute on bfloat16: an e4m3 value widens to bfloat16 exactly.
+// (--kv-cache-dtype fp8), half the bytes: the e4m3 code of the value times the
+// reciprocal of its layer's K or V scale (engine/quantization/kv_cache.py; 1 without
+// calibrated scales). Either way the attention kernels compute on bfloat16: an e4m3
+// code widens to bfloat16 exactly, and the scales are applied to the sums.
 #pragma once
 #include "common.cuh"
 
@@ -26,7 +28,7 @@ __device__ __forceinline__ size_t kv_slot_row(int slot, int kvh, int kv_heads, i
 #ifdef KV_CACHE_FP8
 typedef uint8_t kv_t;
 
-__device__ __forceinline__ kv_t to_kv(float x) { return to_e4m3(x); }
+__device__ __forceinline__ kv_t to_kv(float x, float inv_scale) { return to_e4m3(x * inv_scale); }
 
 // 4 codes (one word) as two words of bfloat16 pairs, codes 0, 1 in lo and 2, 3 in hi.
 __device__ __forceinline__ void widen_e4m3x4(uint32_t codes, uint32_t& lo, uint32_t& hi) {
@@ -60,7 +62,7 @@ __device__ __forceinline__ void load_kv_words(uint32_t* dst, const kv_t* __restr
 #else
 typedef bf16 kv_t;
 
-__device__ __forceinline__ kv_t to_kv(float x) { return to_bf16(x); }
+__device__ __forceinline__ kv_t to_kv(float x, float) { return to_bf16(x); }  // (a bfloat16 cache has no scale)
 
 template <int words>
 __device__ __forceinline__ void load_kv_words(uint32_t* dst, const kv_t* __restrict__ src) {

@@ -19,7 +19,8 @@ extern "C" __global__ void rope_cos_sin(float2* __restrict__ cos_sin, const floa
 //     x[i]            <- x[i] * cos - x[i + half] * sin
 //     x[i + half]     <- x[i + half] * cos + x[i] * sin
 //   q is rotated in place in qkv; rotated k and plain v go to cache slot slots[t] (as
-//   kv_cache.cuh's elements: bfloat16, or e4m3 codes of the bfloat16 values).
+//   kv_cache.cuh's elements: bfloat16, or e4m3 codes of the bfloat16 values times
+//   k_inv and v_inv, the reciprocals of the layer's scales).
 // cos and sin come from rope_cos_sin's table; the rounding is rope.cuh's.
 // qkv: [tokens, (heads + 2 * kv_heads) * head_dim]; caches: [blocks, kv_heads, 2^block_shift,
 // head_dim] (kv_cache.cuh)
@@ -28,7 +29,8 @@ extern "C" __global__ void rope_cos_sin(float2* __restrict__ cos_sin, const floa
 extern "C" __global__ void rope_and_cache(bf16* __restrict__ qkv, kv_t* __restrict__ k_cache,
                                           kv_t* __restrict__ v_cache, const int* __restrict__ positions,
                                           const int* __restrict__ slots, const float2* __restrict__ cos_sin,
-                                          int heads, int kv_heads, int head_dim, int block_shift) {
+                                          int heads, int kv_heads, int head_dim, int block_shift, float k_inv,
+                                          float v_inv) {
     await_previous_kernel();
     const int t = blockIdx.x, half = head_dim / 2;
     const float2* angle_cs = cos_sin + (size_t)positions[t] * half;
@@ -45,11 +47,12 @@ extern "C" __global__ void rope_and_cache(bf16* __restrict__ qkv, kv_t* __restri
             x[i + half] = to_bf16(y.y);
         } else {
             kv_t* k = k_cache + kv_slot_row(slot, head - heads, kv_heads, block_shift) * head_dim;
-            k[i] = to_kv(y.x);
-            k[i + half] = to_kv(y.y);
+            k[i] = to_kv(y.x, k_inv);
+            k[i + half] = to_kv(y.y, k_inv);
         }
     }
     const bf16* v = row + (size_t)(heads + kv_heads) * head_dim;
     for (int j = threadIdx.x; j < kv_heads * head_dim; j += blockDim.x)
-        v_cache[kv_slot_row(slot, j / head_dim, kv_heads, block_shift) * head_dim + j % head_dim] = to_kv(to_f32(v[j]));
+        v_cache[kv_slot_row(slot, j / head_dim, kv_heads, block_shift) * head_dim + j % head_dim] =
+            to_kv(to_f32(v[j]), v_inv);
 }

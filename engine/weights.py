@@ -14,11 +14,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
 from engine.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.quantization.kv_cache import KvScale
 
 Progress = Callable[[int, int], None]  # (done, total)
 
@@ -104,10 +107,12 @@ class ModelWeights:
     final_norm: Tensor
     lm_head: Tensor
     layers: list[dict[str, Tensor]]
+    kv_scales: list[KvScale]  # each layer's, for an FP8 KV cache
 
     @staticmethod
     def gather(weights: Weights, config: ModelConfig) -> "ModelWeights":
         from engine.models import architecture_of
+        from engine.quantization.kv_cache import read_kv_scales
 
         arch = architecture_of(config)
         fused_parts = {part for f in arch.fused for part in f.parts}
@@ -119,7 +124,8 @@ class ModelWeights:
             layers.append(layer)
         embed = weights["model.embed_tokens.weight"]
         return ModelWeights(embed, weights["model.norm.weight"],
-                            embed if config.tie_word_embeddings else weights["lm_head.weight"], layers)
+                            embed if config.tie_word_embeddings else weights["lm_head.weight"], layers,
+                            read_kv_scales(weights, config.num_layers))
 
 
 def _read_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
@@ -196,6 +202,9 @@ def load_gguf_weights(reader, config: ModelConfig, progress: Progress | None = N
 def check_weights(weights: Weights, config: ModelConfig) -> None:
     """Fail at load, naming the tensor, rather than with a shape error mid-request."""
     from engine.models import architecture_of
+    from engine.quantization.kv_cache import read_kv_scales
+
+    read_kv_scales(weights, config.num_layers)
 
     for name, shape in architecture_of(config).tensor_shapes(config).items():
         if name not in weights:

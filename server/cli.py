@@ -65,7 +65,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="memory for the KV cache on the CPU")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="what K and V are stored in: auto (float32 on the CPU, bfloat16 on the GPU) or fp8 (e4m3, "
-                        "a quarter of float32's bytes, half of bfloat16's)")
+                        "a quarter of float32's bytes, half of bfloat16's; over the checkpoint's calibrated "
+                        "k_scale/v_scale where it has them)")
     p.add_argument("--gpu-memory-utilization", type=_number(float, 0, 1, low_open=True), default=d.gpu_memory_utilization,
                    help="fraction of the GPU's memory this server may use (each its own share, where replicas "
                         "share a GPU); the KV cache takes what the weights leave")

@@ -18,7 +18,7 @@ import numpy as np
 from engine.backends.base import SampleLater, Wait, is_fp8_kv_cache
 from engine.config import ModelConfig
 from engine.models import architecture_of
-from engine.quantization.fp8 import e4m3_to_f32, f32_to_e4m3
+from engine.quantization.kv_cache import cache_scales, load_e4m3, store_e4m3
 from engine.sampler import SampleOutput, sample
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -120,6 +120,7 @@ class _StepOps:
 
     def at_layer(self, i: int) -> None:
         self.weights, self.k_cache, self.v_cache = self.backend.layers[i], self.backend.k_cache[i], self.backend.v_cache[i]
+        self.kv_scale = self.backend.kv_scales[i]
 
     def rms_norm(self, weight: str) -> np.ndarray:
         return rms_norm(self.residual, self.weights[weight], self.config.rms_norm_eps)
@@ -136,17 +137,18 @@ class _StepOps:
         c = self.config
         q = apply_rope(qkv[:, : self.q_end].reshape(-1, c.num_heads, c.head_dim), self.cos, self.sin)
         k = apply_rope(qkv[:, self.q_end : self.k_end].reshape(-1, c.num_kv_heads, c.head_dim), self.cos, self.sin)
-        self.k_cache[self.new_slots] = self.backend.kv_store(k)
-        self.v_cache[self.new_slots] = self.backend.kv_store(qkv[:, self.k_end :].reshape(-1, c.num_kv_heads, c.head_dim))
+        v = qkv[:, self.k_end :].reshape(-1, c.num_kv_heads, c.head_dim)
+        self.k_cache[self.new_slots] = self.backend.kv_store(k, self.kv_scale.k)
+        self.v_cache[self.new_slots] = self.backend.kv_store(v, self.kv_scale.v)
         return np.concatenate([q.reshape(len(qkv), -1), k.reshape(len(qkv), -1), qkv[:, self.k_end :]], axis=1)
 
     def attention(self, qkv: np.ndarray) -> np.ndarray:
         c, b = self.config, self.bounds
         q = qkv[:, : self.q_end].reshape(-1, c.num_heads, c.head_dim)
-        load = self.backend.kv_load
+        load, scale = self.backend.kv_load, self.kv_scale
         return np.concatenate([
-            causal_attention(q[b[i] : b[i + 1]], load(self.k_cache[slots]), load(self.v_cache[slots]), s.start,
-                             c.head_dim ** -0.5)
+            causal_attention(q[b[i] : b[i + 1]], load(self.k_cache[slots], scale.k), load(self.v_cache[slots], scale.v),
+                             s.start, c.head_dim ** -0.5)
             for i, (s, slots) in enumerate(zip(self.batch, self.seq_slots))
         ])
 
@@ -162,10 +164,11 @@ class NumpyBackend:
     weight_dtype = "float32"  # (every format dequantized: the exact reference)
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, kv_cache_dtype: str = "auto"):
-        # K and V as computed (float32), or as e4m3 bit patterns with a scale of 1 (vLLM's
-        # fp8 without calibrated scales): a quarter of the bytes, the values rounded to
-        # 3 mantissa bits and saturating at 448
+        # K and V as computed (float32), or as e4m3 bit patterns of them over each layer's
+        # scales (engine/quantization/kv_cache.py): a quarter of the bytes, the values
+        # rounded to 3 mantissa bits and saturating at 448 times the scale
         self.fp8_kv = is_fp8_kv_cache(kv_cache_dtype)
+        self.kv_scales = cache_scales(weights.kv_scales, self.fp8_kv)
         self.kv_cache_dtype = "fp8_e4m3" if self.fp8_kv else "float32"
         self._kv_type = np.dtype(np.uint8 if self.fp8_kv else np.float32)
         self.config = config
@@ -189,13 +192,13 @@ class NumpyBackend:
         c = self.config
         return 2 * c.num_layers * block_size * c.kv_size * self._kv_type.itemsize
 
-    def kv_store(self, x: np.ndarray) -> np.ndarray:
-        """K or V as the cache holds them."""
-        return f32_to_e4m3(x) if self.fp8_kv else x
+    def kv_store(self, x: np.ndarray, scale: float) -> np.ndarray:
+        """K or V (float32) as the cache holds them, over the layer's scale for it."""
+        return store_e4m3(x, scale) if self.fp8_kv else x
 
-    def kv_load(self, stored: np.ndarray) -> np.ndarray:
+    def kv_load(self, stored: np.ndarray, scale: float) -> np.ndarray:
         """K or V from the cache, in float32."""
-        return e4m3_to_f32(stored) if self.fp8_kv else stored
+        return load_e4m3(stored, scale) if self.fp8_kv else stored
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_batch: int, max_context: int) -> None:
         c = self.config

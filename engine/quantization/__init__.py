@@ -7,7 +7,9 @@ tensor in a canonical layout, under the weight's plain name:
   bfloat16 checkpoint to FP8 at load;
 - int4.py: INT4 weight-only, with group scales and zero points (AutoAWQ's GEMM layout,
   GPTQ's with act-order, compressed-tensors' pack-quantized);
-- gguf.py: GGUF's Q4_0, Q4_1 and Q8_0 blocks, as the file stores them.
+- gguf.py: GGUF's Q4_0, Q4_1 and Q8_0 blocks, as the file stores them;
+- kv_cache.py: the FP8 KV cache's per-layer K and V scales (a checkpoint's calibrated
+  ones, or 1), and the codes the cache holds.
 
 A quantized tensor dequantizes to float32 (the numpy backend: the exact reference) or
 to bfloat16 (the CUDA backend, for the formats its kernels do not read: all but FP8).

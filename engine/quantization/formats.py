@@ -3,8 +3,6 @@ and the gathering of its stored tensors into one quantized tensor per linear wei
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from engine.quantization.fp8 import Fp8Weight
@@ -13,9 +11,6 @@ from engine.weights import Weights, is_layer_matrix
 
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")  # quantization_config.quant_method
 QUANTIZE_AT_LOAD = ("fp8",)  # --quantization
-KV_SCALES = (".k_scale", ".v_scale")  # calibrated FP8 K/V scales (compressed-tensors' kv_cache_scheme, ModelOpt)
-
-log = logging.getLogger("llamastream.engine")
 
 
 def _stored(weights: Weights, name: str, *, required: bool = True) -> np.ndarray | None:
@@ -69,13 +64,6 @@ def read_quantized(config: dict | None, weights: Weights) -> Weights:
     else:
         raise ValueError(f"the checkpoint is quantized with {method!r}, which llamastream does not serve: it serves "
                          f"{', '.join(QUANTIZATION_METHODS)} (quantization_config.quant_method), and GGUF files")
-    kv_scales = sorted(name for name in weights if name.endswith(KV_SCALES))
-    for name in kv_scales:
-        del weights[name]
-    if kv_scales:
-        log.warning("the checkpoint carries calibrated FP8 K/V scales (%s and %d more), which llamastream does not "
-                    "read: its FP8 KV cache (--kv-cache-dtype fp8) keeps a scale of 1, as vLLM does without them, and "
-                    "the default bfloat16 cache needs none", kv_scales[0], len(kv_scales) - 1)
     leftover = [name for name, t in weights.items() if t.format == "stored"]
     if leftover:
         raise ValueError(f"tensor {leftover[0]} is stored as integers, which the {method} format as configured does "

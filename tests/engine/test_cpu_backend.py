@@ -29,6 +29,7 @@ from engine.model_loader import load_model
 from engine.quantization.fp8 import Fp8Weight, e4m3_to_f32, f32_to_e4m3
 from engine.quantization.gguf import GgufWeight
 from engine.quantization.int4 import Int4Weight
+from engine.quantization.kv_cache import KvScale, load_e4m3, store_e4m3
 from engine.sampling_params import SamplingParams
 from engine.weights import Tensor, f32_to_bf16_bits
 from tests.conftest import FIXTURES, greedy, make_engine, run, text, tokens
@@ -211,18 +212,19 @@ def test_layer_ops_match_the_numpy_reference(kernels):
 
 
 @pytest.mark.parametrize("dim", [16, 24, 64])
-@pytest.mark.parametrize("fp8", [False, True], ids=["float32 cache", "e4m3 cache"])
-def test_rope_and_cache_and_paged_attention_match_the_numpy_reference(kernels, fp8, dim):
+@pytest.mark.parametrize("fp8, scale", [(False, KvScale()), (True, KvScale()), (True, KvScale(0.37, 2.5))],
+                         ids=["float32 cache", "e4m3 cache", "e4m3 cache, calibrated scales"])
+def test_rope_and_cache_and_paged_attention_match_the_numpy_reference(kernels, fp8, scale, dim):
     """Two sequences in one step: one decoding at position 37, one prefilling positions
     20..24 after 20 cached tokens; grouped-query heads (8 over 2), cache slots scattered;
     head dimensions that the kernel's value sums take 8, 16 and 32 at a time. With an
     e4m3 cache (--kv-cache-dtype fp8) the cached codes are the numpy backend's rounding
-    exactly, and attention reads them as it does."""
-    stored, read = (f32_to_e4m3, e4m3_to_f32) if fp8 else (np.asarray, np.asarray)
+    exactly, over the layer's K and V scales, and attention reads them as it does."""
+    store, load = (store_e4m3, load_e4m3) if fp8 else (lambda x, _: x, lambda x, _: x)
     heads, kv_heads = 8, 2
     inv_freq = (1.0 / 10000 ** (np.arange(0, dim, 2) / dim)).astype(np.float32)
-    k_cache = stored(rng.standard_normal((128, kv_heads, dim)).astype(np.float32))
-    v_cache = stored(rng.standard_normal((128, kv_heads, dim)).astype(np.float32))
+    k_cache = store(rng.standard_normal((128, kv_heads, dim)).astype(np.float32), scale.k)
+    v_cache = store(rng.standard_normal((128, kv_heads, dim)).astype(np.float32), scale.v)
     seqs = [(37, 1, rng.permutation(128)[:38])]  # (start, tokens, slots of 0..end)
     seqs.append((20, 5, rng.permutation(np.setdiff1d(np.arange(128), seqs[0][2]))[:25]))
     positions = np.concatenate([np.arange(s, s + n) for s, n, _ in seqs])
@@ -234,14 +236,16 @@ def test_rope_and_cache_and_paged_attention_match_the_numpy_reference(kernels, f
     q = ref.apply_rope(qkv[:, : heads * dim].reshape(-1, heads, dim), cos, sin)
     k = ref.apply_rope(qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(-1, kv_heads, dim), cos, sin)
     k_ref, v_ref = k_cache.copy(), v_cache.copy()
-    k_ref[new_slots], v_ref[new_slots] = stored(k), stored(qkv[:, (heads + kv_heads) * dim :].reshape(-1, kv_heads, dim))
+    k_ref[new_slots] = store(k, scale.k)
+    v_ref[new_slots] = store(qkv[:, (heads + kv_heads) * dim :].reshape(-1, kv_heads, dim), scale.v)
     bounds = np.cumsum([0] + [n for _, n, _ in seqs])
-    expected = np.concatenate([ref.paged_attention(q[bounds[i] : bounds[i + 1]], read(k_ref), read(v_ref), slots, s,
-                                                   dim ** -0.5) for i, (s, _, slots) in enumerate(seqs)])
+    expected = np.concatenate([ref.paged_attention(q[bounds[i] : bounds[i + 1]], load(k_ref, scale.k),
+                                                   load(v_ref, scale.v), slots, s, dim ** -0.5)
+                               for i, (s, _, slots) in enumerate(seqs)])
 
     cos, sin = np.ascontiguousarray(cos), np.ascontiguousarray(sin)
     kernels.rope_and_cache(addr(qkv), len(positions), heads, kv_heads, dim, addr(cos), addr(sin), addr(new_slots),
-                           addr(k_cache), addr(v_cache), fp8)
+                           addr(k_cache), addr(v_cache), fp8, KvScale.inverse(scale.k), KvScale.inverse(scale.v))
     np.testing.assert_allclose(qkv[:, : heads * dim], q.reshape(len(q), -1), atol=1e-6)
     np.testing.assert_array_equal(k_cache, k_ref)
     np.testing.assert_array_equal(v_cache, v_ref)
@@ -251,8 +255,8 @@ def test_rope_and_cache_and_paged_attention_match_the_numpy_reference(kernels, f
         (bounds[:-1], np.int32), ([n for _, n, _ in seqs], np.int32), ([s for s, _, _ in seqs], np.int32),
         (np.concatenate([slots for *_, slots in seqs]), np.int64), ([0, len(seqs[0][2])], np.int64))]
     kernels.attention(addr(out), addr(qkv), heads, kv_heads, dim, len(seqs), *(addr(a) for a in args), addr(k_cache),
-                      addr(v_cache), dim ** -0.5, fp8)
-    np.testing.assert_allclose(out, expected, atol=1e-5)
+                      addr(v_cache), dim ** -0.5 * scale.k, fp8, scale.v)
+    np.testing.assert_allclose(out, expected, atol=1e-5 * scale.v)
 
 
 def test_the_e4m3_cache_rounds_as_the_numpy_backend(kernels):
@@ -272,7 +276,7 @@ def test_the_e4m3_cache_rounds_as_the_numpy_backend(kernels):
     slots = np.arange(rows, dtype=np.int64)
     k_cache, v_cache = np.zeros((rows, 1, dim), np.uint8), np.zeros((rows, 1, dim), np.uint8)
     kernels.rope_and_cache(addr(qkv), rows, 1, 1, dim, addr(cos), addr(sin), addr(slots), addr(k_cache), addr(v_cache),
-                           True)
+                           True, 1.0, 1.0)
     np.testing.assert_array_equal(v_cache.reshape(rows, dim), f32_to_e4m3(v))
 
 

@@ -14,7 +14,7 @@ import shutil
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from devtools.quantized import FORMATS, write_quantized
 from engine.backends import create_backend
@@ -163,13 +163,61 @@ def test_a_config_that_does_not_match_its_tensors_names_the_tensor(tmp_path):
         load_model(tmp_path / "awq")
 
 
-def test_calibrated_kv_scales_are_set_aside_saying_the_fp8_cache_does_not_read_them(tmp_path, caplog):
-    write_quantized(TINY_MODEL, tmp_path / "m", "fp8-channel")
-    save_file({f"model.layers.{i}.self_attn.{kv}_scale": np.array(0.05, np.float32) for i in range(2) for kv in "kv"},
-              str(tmp_path / "m" / "kv_scales.safetensors"))
-    model = load_model(tmp_path / "m")
-    assert not [name for name in model.weights if name.endswith("_scale")]
-    assert "model.layers.0.self_attn.k_scale and 3 more" in caplog.text and "scale of 1" in caplog.text
+def shrunk_kv_checkpoint(path, factor: float, scales: dict[str, float] | None) -> None:
+    """The tiny Llama with its K and V projections times `factor` and its Q and O ones
+    over it (a power of two: the same model, to the bit, with K and V `factor` as
+    large), and, if given, each layer's calibrated KV-cache scales under the given names
+    (compressed-tensors' or ModelOpt's), in a file of their own."""
+    shutil.copytree(TINY_MODEL, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in tensors:
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            tensors[name] = tensors[name] * np.float32(factor)
+        elif name.endswith(("q_proj.weight", "o_proj.weight")):
+            tensors[name] = tensors[name] / np.float32(factor)
+    save_file(tensors, str(path / "model.safetensors"))
+    if scales:
+        save_file({f"model.layers.{i}.{name}": np.array(scale, np.float32) for i in range(2)
+                   for name, scale in scales.items()}, str(path / "kv_scales.safetensors"))
+
+
+@pytest.mark.parametrize("names", [("self_attn.k_scale", "self_attn.v_scale"),
+                                   ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale")],
+                         ids=["compressed-tensors", "modelopt"])
+def test_calibrated_kv_scales_cache_small_keys_and_values_as_the_unscaled_model(tmp_path, names):
+    """The tiny Llama with K and V 2^-10 as large (shrunk_kv_checkpoint: the same model)
+    and scales of 2^-10 caches, with an FP8 cache, the codes the tiny Llama caches with
+    a scale of 1, and gives its logits, to the bit; without the scales most of its K and
+    V fall below e4m3's smallest steps, and its logits move far further from the
+    float32 cache's."""
+    factor = 2.0 ** -10
+    shrunk_kv_checkpoint(tmp_path / "scaled", factor, dict(zip(names, (factor, factor))))
+    shrunk_kv_checkpoint(tmp_path / "unscaled", factor, None)
+    scaled, unscaled, source = load_model(tmp_path / "scaled"), load_model(tmp_path / "unscaled"), load_model(TINY_MODEL)
+    assert [(s.k, s.v) for s in scaled.model_weights().kv_scales] == [(factor, factor)] * 2
+    ids = [1, 5, 9, 42, 7, 300, 12, 88, 4, 19, 250, 3]
+    exact, _ = prompt_logits(numpy_engine(source), ids)
+    assert np.array_equal(prompt_logits(numpy_engine(scaled), ids)[0], exact)  # (the same model)
+    results = {}
+    for name, model in (("source", source), ("scaled", scaled), ("unscaled", unscaled)):
+        engine = numpy_engine(model, "fp8")
+        logits, slots = prompt_logits(engine, ids)
+        results[name] = logits, [(k[slots], v[slots]) for k, v in zip(engine.backend.k_cache, engine.backend.v_cache)]
+    assert np.array_equal(results["scaled"][0], results["source"][0])
+    for (k, v), (k_source, v_source) in zip(results["scaled"][1], results["source"][1]):
+        assert np.array_equal(k, k_source) and np.array_equal(v, v_source)
+    error = {name: np.linalg.norm(logits - exact) / np.linalg.norm(exact) for name, (logits, _) in results.items()}
+    assert error["unscaled"] > 5 * error["source"], error
+
+
+def test_kv_scales_that_are_not_one_positive_number_a_layer_name_the_tensor(tmp_path):
+    shrunk_kv_checkpoint(tmp_path / "m", 1.0, {"self_attn.k_scale": -1.0, "self_attn.v_scale": 1.0})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_scale is not one positive number"):
+        load_model(tmp_path / "m")
+    (tmp_path / "m" / "kv_scales.safetensors").unlink()
+    save_file({"model.layers.0.self_attn.k_scale": np.array(0.5, np.float32)}, str(tmp_path / "m" / "kv_scales.safetensors"))
+    with pytest.raises(ValueError, match=r"not model\.layers\.0\.self_attn\.v_scale"):
+        load_model(tmp_path / "m")
 
 
 @pytest.mark.parametrize("block", [[8, 8], [256, 256]])

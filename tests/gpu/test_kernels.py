@@ -21,7 +21,8 @@ from engine.backends import numpy_backend as ref  # noqa: E402
 from engine.backends.cuda.cublas import Cublas, DataType  # noqa: E402
 from engine.backends.cuda.kernels import Kernels, PagedAttention, block_shift, prefill_query_rows, skinny_splits  # noqa: E402
 from engine.backends.cuda.step_metadata import PARTITION, SHORT_PARTITION  # noqa: E402
-from engine.quantization.fp8 import E4M3, e4m3_to_f32, f32_to_e4m3  # noqa: E402
+from engine.quantization.fp8 import E4M3, e4m3_to_f32  # noqa: E402
+from engine.quantization.kv_cache import KvScale, load_e4m3, store_e4m3  # noqa: E402
 from engine.sampler import apply_penalties  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.weights import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
@@ -29,6 +30,9 @@ from tests.gpu.conftest import BF16_NAN, bf16, rel_l2  # noqa: E402
 
 RNG = np.random.default_rng()
 TOL = 1e-2
+# the caches the attention kernels read: (FP8, the layer's scales)
+KV_CACHES = {"bf16 cache": (False, KvScale()), "fp8 cache": (True, KvScale()),
+             "fp8 cache, calibrated scales": (True, KvScale(0.37, 2.5))}
 
 
 @functools.cache
@@ -93,10 +97,10 @@ def poisoned_cache(shape, kv_fp8: bool) -> gpuarray.GPUArray:
     return gpuarray.to_gpu(np.full(shape, E4M3_NAN, np.uint8) if kv_fp8 else np.full(shape, BF16_NAN, np.uint16))
 
 
-def cache_values(cache: gpuarray.GPUArray) -> np.ndarray:
-    """A KV cache's values in float32, from bfloat16 or e4m3 codes, by slot."""
+def cache_values(cache: gpuarray.GPUArray, scale: float = 1.0) -> np.ndarray:
+    """A KV cache's values in float32, from bfloat16 or e4m3 codes (over `scale`), by slot."""
     host = by_slot(cache.get())
-    return e4m3_to_f32(host) if host.dtype == np.uint8 else bf16_bits_to_f32(host)
+    return load_e4m3(host, scale) if host.dtype == np.uint8 else bf16_bits_to_f32(host)
 
 
 @pytest.mark.parametrize("tokens, hidden", [(1, 64), (37, 2048), (5, 576)])
@@ -183,11 +187,13 @@ def test_rope_and_cache(cuda_context, heads, kv_heads):
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(32, 8), (9, 3)])
-def test_fp8_cache_holds_the_bfloat16_cache_rounded_as_the_numpy_backend_rounds(cuda_context, heads, kv_heads):
-    """rope_and_cache built for an e4m3 cache writes, bit for bit, the codes fp8.py
-    rounds the bfloat16 build's K and V to: V (stored as it is) is every e4m3 value,
-    every midpoint between two (a tie goes to the smaller magnitude), both signs, and
-    past 448 (saturating); K is rotated, over a wide range."""
+@pytest.mark.parametrize("kv_scale", [KvScale(), KvScale(0.37, 2.5)], ids=["scale 1", "calibrated scales"])
+def test_fp8_cache_holds_the_bfloat16_cache_rounded_as_the_numpy_backend_rounds(cuda_context, heads, kv_heads, kv_scale):
+    """rope_and_cache built for an e4m3 cache writes, bit for bit, the codes the numpy
+    backend rounds the bfloat16 build's K and V to over the layer's scales (which the
+    bfloat16 build ignores): V (stored as it is) is every e4m3 value, every midpoint
+    between two (a tie goes to the smaller magnitude), both signs, and past 448
+    (saturating); K is rotated, over a wide range."""
     D, slots_total = 64, 304
     magnitudes = np.unique(np.abs(E4M3[np.isfinite(E4M3)]))
     special = np.concatenate([magnitudes, (magnitudes[:-1] + magnitudes[1:]) / 2, [460.0, 464.0, 500.0, 1e4]])
@@ -202,10 +208,11 @@ def test_fp8_cache_holds_the_bfloat16_cache_rounded_as_the_numpy_backend_rounds(
         kernels = kernels_for(heads // kv_heads, D, kv_fp8)
         k_cache, v_cache = (poisoned_cache(cache_shape(slots_total, kv_heads, D), kv_fp8) for _ in range(2))
         kernels.rope_and_cache(None, up_bf16(qkv), k_cache, v_cache, positions, i32(slots),
-                               cos_sin_table(kernels, llama3_inv_freq(D), 5000), tokens, heads, kv_heads, BLOCK_SHIFT)
+                               cos_sin_table(kernels, llama3_inv_freq(D), 5000), tokens, heads, kv_heads, BLOCK_SHIFT,
+                               kv_scale)
         caches[kv_fp8] = by_slot(k_cache.get()), by_slot(v_cache.get())
-    for bf16_bits, codes in zip(caches[False], caches[True]):
-        assert np.array_equal(codes[slots], f32_to_e4m3(bf16_bits_to_f32(bf16_bits[slots])))
+    for bf16_bits, codes, scale in zip(caches[False], caches[True], (kv_scale.k, kv_scale.v)):
+        assert np.array_equal(codes[slots], store_e4m3(bf16_bits_to_f32(bf16_bits[slots]), scale))
         assert (np.delete(codes, slots, axis=0) == E4M3_NAN).all(), "wrote outside the slot mapping"
 
 
@@ -235,7 +242,8 @@ def test_e4m3_pairs_widen_to_bfloat16_exactly(cuda_context):
     assert np.array_equal(got >> 16, f32_to_bf16_bits(e4m3_to_f32(hi.astype(np.uint8))))
 
 
-def merge_partial_results(kernels, out, attention: PagedAttention, positions: np.ndarray) -> None:
+def merge_partial_results(kernels, out, attention: PagedAttention, positions: np.ndarray,
+                          kv_scale: KvScale = KvScale()) -> None:
     """paged_attention_merge over every token, after poisoning what pass 1 left in the
     partitions past each token's context (the merge must not read it)."""
     tokens, heads, partitions = attention.part_max.shape
@@ -245,7 +253,7 @@ def merge_partial_results(kernels, out, attention: PagedAttention, positions: np
         host = a.get()
         host[unspanned] = np.nan
         a.set(host)
-    kernels.paged_attention_merge(None, out, attention, tokens)
+    kernels.paged_attention_merge(None, out, attention, tokens, kv_scale)
 
 
 @pytest.mark.parametrize("kernel", ["decode merging itself", "decode loading ahead", "decode", "prefill",
@@ -253,14 +261,15 @@ def merge_partial_results(kernels, out, attention: PagedAttention, positions: np
 @pytest.mark.parametrize("heads, kv_heads, D", [(32, 8, 64), (9, 3, 64), (24, 8, 128)])  # Llama 3.2 1B, SmolLM2, 3B
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("partition", [PARTITION, SHORT_PARTITION])
-@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16 cache", "fp8 cache"])
-def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, partition, kv_fp8):
+@pytest.mark.parametrize("kv", KV_CACHES)
+def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, partition, kv):
     """Decode tokens and prefill chunks of several sequences in one launch, over
     lengths that are not multiples of the block size and past one partition, through
     the decode kernel (split context, merged by the last partition's block, or by the
     merge kernel; its warps loading a chunk ahead, the same sums bit for bit) and through the prefill kernel (query tiles, then the merge kernel, or
     each tile's whole context at once, storing the output); over a cache of bfloat16 or
-    of e4m3 codes (against the codes' values)."""
+    of e4m3 codes (against the codes' values, over the layer's scales)."""
+    kv_fp8, kv_scale = KV_CACHES[kv]
     if kernel == "prefill, whole contexts" and partition != PARTITION:
         pytest.skip("one partition holds every context")
     # (context before this step, tokens in this step): decode, chunked prefill, full prefill, long decode
@@ -282,7 +291,7 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
         table_arr[i, : len(t)] = t
     k_cache, v_cache = in_cache_layout(k_cache, block_size), in_cache_layout(v_cache, block_size)
     if kv_fp8:
-        kc, vc = gpuarray.to_gpu(f32_to_e4m3(k_cache)), gpuarray.to_gpu(f32_to_e4m3(v_cache))
+        kc, vc = gpuarray.to_gpu(store_e4m3(k_cache, kv_scale.k)), gpuarray.to_gpu(store_e4m3(v_cache, kv_scale.v))
     else:
         kc, vc = up_bf16(k_cache), up_bf16(v_cache)
     qkv_gpu = up_bf16(qkv)
@@ -299,7 +308,7 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
         for prefetch in (False, True) if kernel == "decode loading ahead" else (False, False):
             # (a second launch relies on the first leaving the arrival counts at zero)
             before, out = out, poisoned_bf16((tokens, heads * D))
-            kernels.paged_attention_partial(None, out, arrivals, attention, kc, vc, tokens, prefetch=prefetch)
+            kernels.paged_attention_partial(None, out, arrivals, attention, kc, vc, tokens, prefetch, kv_scale)
         assert not arrivals.get().any()
         assert np.array_equal(before.get(), out.get())  # (the same sums, in the same order)
     elif kernel.startswith("prefill"):
@@ -307,20 +316,22 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
         starts = np.cumsum([0] + [n for _, n in seqs])
         tiles = [(r, min(rows, end - r)) for start, end in zip(starts, starts[1:]) for r in range(start, end, rows)]
         whole = kernel == "prefill, whole contexts"
-        kernels.prefill_attention_partial(None, out if whole else None, attention, kc, vc, i32(np.ravel(tiles)), len(tiles))
+        kernels.prefill_attention_partial(None, out if whole else None, attention, kc, vc, i32(np.ravel(tiles)), len(tiles),
+                                          kv_scale)
         if whole:
             assert np.isnan(part_max.get()).all(), "wrote partial results"
         else:
-            merge_partial_results(kernels, out, attention, positions)
+            merge_partial_results(kernels, out, attention, positions, kv_scale)
     else:
-        kernels.paged_attention_partial(None, out, None, attention, kc, vc, tokens)
-        merge_partial_results(kernels, out, attention, positions)
+        kernels.paged_attention_partial(None, out, None, attention, kc, vc, tokens, kv_scale=kv_scale)
+        merge_partial_results(kernels, out, attention, positions, kv_scale)
     got = down_bf16(out)
     q = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     start = 0
     for (c, n), table in zip(seqs, tables):
         slots = (np.asarray(table)[:, None] * block_size + np.arange(block_size)).ravel()[: c + n]
-        expected = ref.paged_attention(q[start : start + n], cache_values(kc), cache_values(vc), slots, c, scale)
+        expected = ref.paged_attention(q[start : start + n], cache_values(kc, kv_scale.k), cache_values(vc, kv_scale.v),
+                                       slots, c, scale)
         assert rel_l2(got[start : start + n], expected) < TOL, (c, n)
         start += n
 
@@ -440,8 +451,9 @@ def separate_rmsnorm(kernels, residual: gpuarray.GPUArray, norm_weight: gpuarray
 # (Llama 3.2 1B, SmolLM2-135M and Llama 3.2 3B's attention shapes)
 @pytest.mark.parametrize("heads, kv_heads, D, hidden", [(32, 8, 64, 2048), (9, 3, 64, 576), (24, 8, 128, 3072)])
 @pytest.mark.parametrize("blocks", [None, 2])
-@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16 cache", "fp8 cache"])
-def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(cuda_context, heads, kv_heads, D, hidden, blocks, kv_fp8):
+@pytest.mark.parametrize("kv", KV_CACHES)
+def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(cuda_context, heads, kv_heads, D, hidden, blocks, kv):
+    kv_fp8, kv_scale = KV_CACHES[kv]
     kernels = kernels_for(heads // kv_heads, D, kv_fp8)
     residual = gpuarray.to_gpu(bf16(RNG.standard_normal((1, hidden)).astype(np.float32)))
     norm_weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
@@ -454,11 +466,12 @@ def test_gemv_rmsnorm_rope_equals_gemv_then_rope_and_cache(cuda_context, heads, 
         return tuple(poisoned_cache(cache_shape(slots_total, kv_heads, D), kv_fp8) for _ in range(2))
     expected_qkv = separate_gemv(kernels, separate_rmsnorm(kernels, residual, norm_weight, hidden), w, hidden, width)
     expected_k, expected_v = caches()
-    kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads, BLOCK_SHIFT)
+    kernels.rope_and_cache(None, expected_qkv, expected_k, expected_v, positions, slots, cos_sin, 1, heads, kv_heads, BLOCK_SHIFT,
+                           kv_scale)
     qkv = poisoned_bf16((1, width))
     k_cache, v_cache = caches()
     kernels.gemv_rmsnorm_rope(None, qkv, residual, norm_weight, 1e-5, w, k_cache, v_cache, positions, slots, cos_sin, heads,
-                              kv_heads, BLOCK_SHIFT, hidden, blocks)
+                              kv_heads, BLOCK_SHIFT, hidden, blocks, kv_scale)
     q = heads * D
     assert np.array_equal(qkv.get()[:, :q], expected_qkv.get()[:, :q])  # q, rotated in place
     assert np.array_equal(k_cache.get(), expected_k.get())  # k and v in their slot, and nothing else written

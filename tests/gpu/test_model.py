@@ -20,6 +20,8 @@ printed (run with -s) and recorded in bench/RESULTS.md.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -27,6 +29,7 @@ from devtools.checkpoints import LLAMA_32_1B, QWEN3_06B, SMOLLM2, TEXT, make_mod
 from devtools.probes import our_logits, teacher_forced_argmax
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import load_model
+from engine.quantization.kv_cache import KvScale
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from tests.conftest import check_a_mask_fault_fails_its_step_only, run, tokens
@@ -428,21 +431,25 @@ def smollm2_shape(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_smollm2_shape_cuda_matches_numpy(smollm2_shape, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype, kv_scale", [("auto", None), ("fp8", None), ("fp8", KvScale(0.37, 1.6))],
+                         ids=["auto", "fp8", "fp8, calibrated scales"])
+def test_smollm2_shape_cuda_matches_numpy(smollm2_shape, kv_cache_dtype, kv_scale):
     """The same greedy tokens, with K and V cached in each backend's own precision or
     both in e4m3 (the CUDA backend's codes rounded from bfloat16, the numpy backend's
-    from float32)."""
+    from float32), with a scale of 1 or a checkpoint's calibrated scales."""
     from engine.backends.cuda.backend import CudaBackend
     from engine.backends.numpy_backend import NumpyBackend
 
     model = load_model(smollm2_shape)
+    weights = model.model_weights()
+    if kv_scale:
+        weights = dataclasses.replace(weights, kv_scales=[kv_scale] * model.config.num_layers)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 500, n).tolist() for n in (1, 9, 40, 130)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     results = {}
-    for name, backend in (("numpy", NumpyBackend(model.config, model.model_weights(), kv_cache_dtype)),
-                          ("cuda", CudaBackend(model.config, model.model_weights(), kv_cache_dtype=kv_cache_dtype))):
+    for name, backend in (("numpy", NumpyBackend(model.config, weights, kv_cache_dtype)),
+                          ("cuda", CudaBackend(model.config, weights, kv_cache_dtype=kv_cache_dtype))):
         engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=256))
         outs = run(engine, [engine.make_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)], check_blocks=False)
         results[name] = [tokens(outs[f"r{i}"]) for i in range(len(prompts))]

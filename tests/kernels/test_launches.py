@@ -8,12 +8,13 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
-from engine.weights import is_layer_matrix
+from engine.weights import Tensor, is_layer_matrix
 from devtools.recording_pycuda import cuda_shaped, recording_pycuda
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -248,3 +249,37 @@ def test_a_kv_block_size_the_kernels_cannot_take_is_refused_with_one_they_can(mo
     with pytest.raises(ValueError, match=message):
         engine_steps(model, [], config=EngineConfig(num_kv_blocks=128, block_size=block_size))
     engine_steps(model, [], config=EngineConfig(num_kv_blocks=128, block_size=int(message.split()[-1])))
+
+
+def test_an_fp8_caches_calibrated_scales_reach_each_layers_writes_and_reads(model):
+    """Each layer's own K and V scales in the launches that write its FP8 cache (their
+    reciprocals: rope_and_cache, or the fused GEMV of a one-token step) and that read it
+    (the softmax's scale times K's, and V's: both attention kernels and the merge).
+    Steps of prompt chunks, of prompt and decode rows, and of one decode row."""
+    from engine.quantization.kv_cache import KvScale
+
+    c = model.config
+    scales = [KvScale(0.5 + i, 0.25 * (i + 1)) for i in range(c.num_layers)]
+    weights = dict(model.weights)
+    for i, scale in enumerate(scales):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = Tensor.of(np.array(scale.k, np.float32))
+        weights[f"model.layers.{i}.self_attn.v_scale"] = Tensor.of(np.array(scale.v, np.float32))
+    requests = [(list(range(1, 300)), dict(GREEDY, max_tokens=3)), (list(range(5, 9)), dict(GREEDY, max_tokens=3))]
+    steps = engine_steps(dataclasses.replace(model, weights=weights), requests, cuda_graphs=False, kv_cache_dtype="fp8")
+    softmax = c.head_dim ** -0.5
+    where = {  # kernel: (the slice of its arguments, what layer i passes there)
+        "rope_and_cache": (slice(-2, None), lambda s: (1 / np.float32(s.k), 1 / np.float32(s.v))),
+        "gemv_rmsnorm_rope": (slice(-4, -2), lambda s: (1 / np.float32(s.k), 1 / np.float32(s.v))),
+        "paged_attention_partial": (slice(-2, None), lambda s: (np.float32(softmax * s.k), np.float32(s.v))),
+        "prefill_attention_partial": (slice(-2, None), lambda s: (np.float32(softmax * s.k), np.float32(s.v))),
+        "paged_attention_merge": (slice(-1, None), lambda s: (np.float32(s.v),)),
+    }
+    seen = Counter()
+    for step in steps:
+        for kernel, (args, expected) in where.items():
+            launched = [launch.args[args] for launch in step if launch.kernel == kernel]
+            if launched:
+                assert launched == [tuple(float(x) for x in expected(s)) for s in scales], kernel
+                seen[kernel] += 1
+    unfused = {"gemv_rmsnorm_rope"} if model.architecture.name == "qwen3" else set()  # (as above)
+    assert set(seen) == set(where) - unfused, seen

@@ -22,6 +22,7 @@ from engine.backends.cpu.weights import CpuLinear, PackedCall, QuantizedRows, re
 from engine.backends.numpy_backend import NumpyBackend, _StepOps, head_rms_norm
 from engine.config import ModelConfig
 from engine.quantization.gguf import GgufWeight
+from engine.quantization.kv_cache import KvScale
 from engine.scheduler import ScheduledSeq
 from engine.weights import ModelWeights, Tensor, bf16_bits_to_f32
 
@@ -111,7 +112,7 @@ class _CpuStepOps(_StepOps):
         self.stream = Buffer(value)  # (the residual stream, added to in place)
 
     def at_layer(self, i: int) -> None:
-        self.weights = self.backend.layers[i]
+        self.weights, self.kv_scale = self.backend.layers[i], self.backend.kv_scales[i]
         self.k_cache, self.v_cache = self.backend.kv_pointers[i]
 
     def rms_norm(self, weight: str) -> Buffer:
@@ -135,7 +136,8 @@ class _CpuStepOps(_StepOps):
     def rope_and_cache(self, qkv: Buffer) -> Buffer:
         c = self.config
         self.kernels.rope_and_cache(qkv.ptr, self.tokens, c.num_heads, c.num_kv_heads, c.head_dim, self.cos_ptr,
-                                    self.sin_ptr, self.new_slots_ptr, self.k_cache, self.v_cache, self.backend.fp8_kv)
+                                    self.sin_ptr, self.new_slots_ptr, self.k_cache, self.v_cache, self.backend.fp8_kv,
+                                    KvScale.inverse(self.kv_scale.k), KvScale.inverse(self.kv_scale.v))
         return qkv
 
     def attention(self, qkv: Buffer) -> Buffer:
@@ -143,7 +145,7 @@ class _CpuStepOps(_StepOps):
         out = self.scratch.buffer("attention", c.q_size)
         self.kernels.attention(out.ptr, qkv.ptr, c.num_heads, c.num_kv_heads, c.head_dim, len(self.batch), self.q_rows,
                                self.num_tokens, self.starts, self.slots, self.slot_at, self.k_cache, self.v_cache,
-                               c.head_dim ** -0.5, self.backend.fp8_kv)
+                               c.head_dim ** -0.5 * self.kv_scale.k, self.backend.fp8_kv, self.kv_scale.v)
         return out
 
     def silu_and_mul(self, gate_up: Buffer) -> Buffer:

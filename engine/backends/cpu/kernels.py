@@ -39,8 +39,8 @@ SIGNATURES = {  # function: argument types (as in cpu_src/)
     "rms_norm": (P, P, P, P, I, I, F),
     "add_to": (P, P, Z),
     "silu_and_mul": (P, P, I, I),
-    "rope_and_cache": (P, I, I, I, I, P, P, P, P, P, I),
-    "attention": (P, P, I, I, I, I, P, P, P, P, P, P, P, F, I),
+    "rope_and_cache": (P, I, I, I, I, P, P, P, P, P, I, F, F),
+    "attention": (P, P, I, I, I, I, P, P, P, P, P, P, P, F, I, F),
 }
 
 

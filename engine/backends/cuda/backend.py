@@ -28,6 +28,7 @@ from engine.backends.cuda.sampler import GpuSampler
 from engine.backends.cuda.step_metadata import PARTITION, SMALL_DECODE, StepShape, build_metadata, step_shape
 from engine.backends.cuda.weights import DeviceWeights
 from engine.config import ModelConfig
+from engine.quantization.kv_cache import cache_scales
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.weights import ModelWeights
@@ -72,9 +73,10 @@ class CudaBackend:
         if config.hidden_size % 8 or config.intermediate_size % 8:
             raise ValueError("the CUDA kernels need hidden and intermediate sizes that are multiples of 8")
         self.config = config
-        # K and V in bfloat16, or as e4m3 codes with a scale of 1 (vLLM's fp8 without
-        # calibrated scales, as the numpy backend's): half the bytes, twice the tokens
+        # K and V in bfloat16, or as e4m3 codes over each layer's scales, as the numpy
+        # backend's (engine/quantization/kv_cache.py): half the bytes, twice the tokens
         self.fp8_kv = is_fp8_kv_cache(kv_cache_dtype)
+        self.kv_scales = cache_scales(weights.kv_scales, self.fp8_kv)
         self.kv_cache_dtype = "fp8_e4m3" if self.fp8_kv else "bfloat16"
         self.batch_invariant = batch_invariant  # GEMMs in fixed tiles: see step_metadata
         cuda.init()
@@ -153,7 +155,7 @@ class CudaBackend:
                              f"{MIN_BLOCK_SIZE}")
         c = self.config
         with self._context():
-            self.cache = KvCache(c, num_blocks, block_size, self.fp8_kv)
+            self.cache = KvCache(c, num_blocks, block_size, self.fp8_kv, self.kv_scales)
             # A step samples at most one token per sequence, and each holds a block. The
             # device buffer stays put (graphs read it).
             self.sampled = gpuarray.empty(num_blocks, np.int32)

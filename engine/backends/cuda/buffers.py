@@ -11,6 +11,7 @@ import pycuda.gpuarray as gpuarray
 from engine.backends.cuda.kernels import block_shift
 from engine.backends.cuda.step_metadata import FIELDS, StepShape, field_sizes
 from engine.config import ModelConfig
+from engine.quantization.kv_cache import KvScale
 
 
 class StepBuffers:
@@ -55,16 +56,17 @@ class StepBuffers:
 class KvCache:
     """Each layer's K and V, [blocks, kv_heads, block_size, head_dim] (a KV head's
     positions of a block in one run, as attention reads them): bfloat16, or e4m3 codes
-    where `fp8` (cuda_src/kv_cache.cuh). Slot block * block_size + offset names a block's
-    position. One block more than asked for, `dummy_block`, belongs to no sequence: the
-    padding rows of CUDA graphs and batch-invariant tiles write there."""
+    where `fp8` (cuda_src/kv_cache.cuh), written and read over each layer's `scales`.
+    Slot block * block_size + offset names a block's position. One block more than asked
+    for, `dummy_block`, belongs to no sequence: the padding rows of CUDA graphs and
+    batch-invariant tiles write there."""
 
-    def __init__(self, c: ModelConfig, num_blocks: int, block_size: int, fp8: bool):
+    def __init__(self, c: ModelConfig, num_blocks: int, block_size: int, fp8: bool, scales: list[KvScale]):
         self.block_shift = block_shift(block_size)  # (a ValueError unless a power of two)
         shape, dtype = (num_blocks + 1, c.num_kv_heads, block_size, c.head_dim), self.element(fp8)
         self.k = [gpuarray.empty(shape, dtype) for _ in range(c.num_layers)]
         self.v = [gpuarray.empty(shape, dtype) for _ in range(c.num_layers)]
-        self.block_size, self.dummy_block = block_size, num_blocks
+        self.block_size, self.dummy_block, self.scales = block_size, num_blocks, scales
 
     @staticmethod
     def element(fp8: bool) -> np.dtype:

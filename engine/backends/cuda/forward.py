@@ -20,6 +20,7 @@ from engine.backends.cuda.step_metadata import StepShape
 from engine.backends.cuda.weights import DeviceWeights
 from engine.config import ModelConfig
 from engine.models import architecture_of
+from engine.quantization.kv_cache import KvScale
 
 
 class ForwardPass:
@@ -37,8 +38,8 @@ class ForwardPass:
         c, st, m, w = self.config, self.stream, b.meta_ptr, self.weights
         k.embedding_gather(st, b.residual, w.embed, m["ids"], self.sampled, shape.tokens, c.hidden_size)
         ops = LayerLaunches(self, k, b, shape, fused=self._all_gemv(shape))
-        for layer, k_cache, v_cache in zip(w.layers, self.cache.k, self.cache.v):
-            ops.at_layer(layer, k_cache, v_cache)
+        for layer, k_cache, v_cache, kv_scale in zip(w.layers, self.cache.k, self.cache.v, self.cache.scales):
+            ops.at_layer(layer, k_cache, v_cache, kv_scale)
             self.architecture.layer(ops)
         if shape.samples:
             k.add_rmsnorm(st, b.residual, ops.pending, w.final_norm, b.final, m["sample_rows"], shape.samples,
@@ -90,8 +91,8 @@ class LayerLaunches:
             c.num_heads, c.num_kv_heads, forward.cache.block_size, shape.partition, shape.partitions, c.head_dim ** -0.5)
 
     def at_layer(self, weights: dict[str, LinearWeight | gpuarray.GPUArray], k_cache: gpuarray.GPUArray,
-                 v_cache: gpuarray.GPUArray) -> None:
-        self.w, self.kc, self.vc = weights, k_cache, v_cache
+                 v_cache: gpuarray.GPUArray, kv_scale: KvScale) -> None:
+        self.w, self.kc, self.vc, self.kv_scale = weights, k_cache, v_cache, kv_scale
 
     # -- the ops ----------------------------------------------------------------------
     def rms_norm(self, weight: str):
@@ -111,11 +112,11 @@ class LayerLaunches:
         if self._fusible(qkv):
             self.k.gemv_rmsnorm_rope(self.st, b.qkv, b.residual, self.w[qkv.x.weight], self.eps, self.w[qkv.weight],
                                      self.kc, self.vc, m["positions"], m["slots"], self.fwd.cos_sin, c.num_heads,
-                                     c.num_kv_heads, self.fwd.cache.block_shift, c.hidden_size)
+                                     c.num_kv_heads, self.fwd.cache.block_shift, c.hidden_size, kv_scale=self.kv_scale)
             return b.qkv
         self._into(qkv, b.qkv)
         self.k.rope_and_cache(self.st, b.qkv, self.kc, self.vc, m["positions"], m["slots"], self.fwd.cos_sin,
-                              self.shape.tokens, c.num_heads, c.num_kv_heads, self.fwd.cache.block_shift)
+                              self.shape.tokens, c.num_heads, c.num_kv_heads, self.fwd.cache.block_shift, self.kv_scale)
         return b.qkv
 
     def attention(self, qkv: gpuarray.GPUArray) -> gpuarray.GPUArray:
@@ -124,17 +125,17 @@ class LayerLaunches:
         then the merge kernel over those rows; in a small decode step the decode kernel
         merges them itself (step_metadata.is_small_decode), and a whole-context prompt's
         rows get their output from the prefill kernel (step_metadata.is_whole_context_prompt)."""
-        k, st, shape, a, b = self.k, self.st, self.shape, self.attention_inputs, self.b
+        k, st, shape, a, b, scale = self.k, self.st, self.shape, self.attention_inputs, self.b, self.kv_scale
         decode_rows = shape.tokens - shape.prompt
         if decode_rows:
             arrivals = self.fwd.arrivals if shape.small_decode else None
             k.paged_attention_partial(st, b.attn, arrivals, a, self.kc, self.vc, decode_rows,
-                                      prefetch=shape.decode_prefetch)
+                                      prefetch=shape.decode_prefetch, kv_scale=scale)
         if shape.prompt_tiles:
             out = b.attn if shape.whole_context_prompt else None
-            k.prefill_attention_partial(st, out, a, self.kc, self.vc, self.m["prompt_tiles"], shape.prompt_tiles)
+            k.prefill_attention_partial(st, out, a, self.kc, self.vc, self.m["prompt_tiles"], shape.prompt_tiles, scale)
         if not shape.small_decode and shape.partial_rows:
-            k.paged_attention_merge(st, b.attn, a, shape.partial_rows)
+            k.paged_attention_merge(st, b.attn, a, shape.partial_rows, scale)
         return b.attn
 
     def silu_and_mul(self, gate_up) -> gpuarray.GPUArray:

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.quantization.kv_cache import KvScale
+
 CUDA_SRC = Path(__file__).resolve().parents[3] / "cuda_src"
 ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS, PREFILL_M_TILE = 256, 128  # as in attention.cu
@@ -41,18 +43,18 @@ SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i in
     "add_rmsnorm": ("rmsnorm.cu", "PPPPPif"),
     "head_rmsnorm": ("rmsnorm.cu", "PPPiif"),
     "rope_cos_sin": ("rope_cache.cu", "PPi"),
-    "rope_and_cache": ("rope_cache.cu", "PPPPPPiiii"),
-    **{name: ("attention.cu", "PPPPPPPPPiPPiiiif") for name in ("paged_attention_partial", "paged_attention_partial_prefetch")},
-    "paged_attention_merge": ("attention.cu", "PPPPPii"),
-    "prefill_attention_partial": ("attention.cu", "PPPPPPPPiPPPiiiif"),
+    "rope_and_cache": ("rope_cache.cu", "PPPPPPiiiiff"),
+    **{name: ("attention.cu", "PPPPPPPPPiPPiiiiff") for name in ("paged_attention_partial", "paged_attention_partial_prefetch")},
+    "paged_attention_merge": ("attention.cu", "PPPPPiif"),
+    "prefill_attention_partial": ("attention.cu", "PPPPPPPPiPPPiiiiff"),
     "silu_and_mul": ("activation.cu", "PPi"),
     "gemv": ("gemv.cu", "PiPPii"),
     "gemv_add": ("gemv.cu", "PPPii"),
-    "gemv_rmsnorm_rope": ("gemv.cu", "PPPfPPPPPPiiiiii"),
+    "gemv_rmsnorm_rope": ("gemv.cu", "PPPfPPPPPPiiiiffii"),
     "gemv_rmsnorm_silu": ("gemv.cu", "PPPfPii"),
     **{f"gemv{suffix}": ("gemv.cu", "PiPPPiii") for suffix in ("_fp8", "_int4")},
     **{f"gemv_add{suffix}": ("gemv.cu", "PPPPiii") for suffix in ("_fp8", "_int4")},
-    **{f"gemv_rmsnorm_rope{suffix}": ("gemv.cu", "PPPfPPiPPPPPiiiiii") for suffix in ("_fp8", "_int4")},
+    **{f"gemv_rmsnorm_rope{suffix}": ("gemv.cu", "PPPfPPiPPPPPiiiiffii") for suffix in ("_fp8", "_int4")},
     **{f"gemv_rmsnorm_silu{suffix}": ("gemv.cu", "PPPfPPiii") for suffix in ("_fp8", "_int4")},
     **{f"dequantize{suffix}": ("gemv.cu", "PPPiiii") for suffix in ("_fp8", "_int4")},
     **{f"skinny_gemm_s{n}": ("skinny_gemm.cu", "PiPiPii") for n in SKINNY_SPLITS},
@@ -87,6 +89,12 @@ def nvcc_target(arch: str) -> dict[str, str]:
     """SourceModule's `arch` and `code` for a device's "sm_XY": on Hopper, sm_90a, whose
     wgmma instructions prompt attention takes (wgmma.cuh); the architecture itself elsewhere."""
     return {"arch": "compute_90a", "code": "sm_90a"} if arch == "sm_90" else {"arch": arch}
+
+
+def cache_inverses(kv_scale: KvScale) -> tuple:
+    """What the kernels that write the cache multiply K and V by: the reciprocals of the
+    layer's scales (in the bfloat16 build, unread)."""
+    return KvScale.inverse(kv_scale.k), KvScale.inverse(kv_scale.v)
 
 
 def rope_and_cache_threads(heads: int, kv_heads: int, head_dim: int) -> int:
@@ -223,8 +231,12 @@ class PagedAttention:
         return self._sizes(WHOLE_CONTEXT)
 
     def _sizes(self, partition: int) -> tuple:
-        return (np.int32(self.heads), np.int32(self.kv_heads), np.int32(block_shift(self.block_size)),
-                np.int32(partition), np.float32(self.scale))
+        return np.int32(self.heads), np.int32(self.kv_heads), np.int32(block_shift(self.block_size)), np.int32(partition)
+
+    def scales(self, kv_scale: KvScale) -> tuple:
+        """The kernels' last arguments over a layer's cache: the softmax's scale times its
+        keys' cache scale, and its values' (attention.cu)."""
+        return np.float32(self.scale * kv_scale.k), np.float32(kv_scale.v)
 
 
 class Kernels:
@@ -286,17 +298,18 @@ class Kernels:
                                                            np.int32(half))
 
     def rope_and_cache(self, stream, qkv, k_cache, v_cache, positions, slots, cos_sin, tokens: int, heads: int,
-                       kv_heads: int, block_shift: int) -> None:
+                       kv_heads: int, block_shift: int, kv_scale: KvScale = KvScale()) -> None:
         """q rotated in place; rotated k and plain v written to cache slot slots[t] (caches
-        of blocks of 2^block_shift slots: KvCache)."""
+        of blocks of 2^block_shift slots: KvCache; an FP8 one over the layer's kv_scale)."""
         threads = rope_and_cache_threads(heads, kv_heads, self.head_dim)
         self.functions["rope_and_cache"].prepared_async_call(
             (tokens, 1), (threads, 1, 1), stream, ptr(qkv), ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots),
-            ptr(cos_sin), np.int32(heads), np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift))
+            ptr(cos_sin), np.int32(heads), np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift),
+            *cache_inverses(kv_scale))
 
     # -- attention.cu -------------------------------------------------------------------
     def paged_attention_partial(self, stream, out, arrivals, attention: PagedAttention, k_cache, v_cache,
-                                rows: int, prefetch: bool = False) -> None:
+                                rows: int, prefetch: bool = False, kv_scale: KvScale = KvScale()) -> None:
         """Decode attention of the step's first `rows` tokens over a layer's cache, a block
         per (token, KV head, partition), into the partial results; with `arrivals` (zeros,
         [rows, kv_heads]) the last block of each (token, KV head) merges them into out itself.
@@ -304,24 +317,26 @@ class Kernels:
         name = "paged_attention_partial_prefetch" if prefetch else "paged_attention_partial"
         self.functions[name].prepared_async_call(
             (rows, attention.kv_heads, attention.partitions), (ATTENTION_THREADS, 1, 1), stream, ptr(out), ptr(arrivals),
-            *attention.inputs(k_cache, v_cache), *attention.sizes)
+            *attention.inputs(k_cache, v_cache), *attention.sizes, *attention.scales(kv_scale))
 
     def prefill_attention_partial(self, stream, out, attention: PagedAttention, k_cache, v_cache, tiles,
-                                  num_tiles: int) -> None:
+                                  num_tiles: int, kv_scale: KvScale = KvScale()) -> None:
         """Prompt attention over a layer's cache by query tiles ((first row, rows) pairs in
         `tiles`), a block per (tile, KV head, partition), into the partial results; or,
         given `out`, a block per (tile, KV head) over the tile's whole context, into out."""
         partitions, sizes = (attention.partitions, attention.sizes) if out is None else (1, attention.whole_context_sizes)
         self.functions["prefill_attention_partial"].prepared_async_call(
             (num_tiles, attention.kv_heads, partitions), (PREFILL_THREADS, 1, 1), stream, ptr(out),
-            *attention.inputs(k_cache, v_cache), ptr(tiles), *sizes)
+            *attention.inputs(k_cache, v_cache), ptr(tiles), *sizes, *attention.scales(kv_scale))
 
-    def paged_attention_merge(self, stream, out, attention: PagedAttention, tokens: int) -> None:
-        """out[t, h] = the partial results of the partitions token t's context spans, merged."""
+    def paged_attention_merge(self, stream, out, attention: PagedAttention, tokens: int,
+                              kv_scale: KvScale = KvScale()) -> None:
+        """out[t, h] = the partial results of the partitions token t's context spans, merged
+        (times the layer's V cache scale)."""
         a = attention
         self.functions["paged_attention_merge"].prepared_async_call(
             (tokens, a.kv_heads), (self.head_dim, a.heads // a.kv_heads, 1), stream, ptr(out), *a.results, ptr(a.positions),
-            np.int32(a.partition), np.int32(a.partitions))
+            np.int32(a.partition), np.int32(a.partitions), np.float32(kv_scale.v))
 
     # -- activation.cu ------------------------------------------------------------------
     def silu_and_mul(self, stream, out, gate_up, tokens: int, inter: int) -> None:
@@ -352,13 +367,13 @@ class Kernels:
 
     def gemv_rmsnorm_rope(self, stream, qkv, residual, norm_weight, eps: float, w, k_cache, v_cache, positions, slots,
                           cos_sin, heads: int, kv_heads: int, block_shift: int, hidden: int,
-                          blocks: int | None = None) -> None:
+                          blocks: int | None = None, kv_scale: KvScale = KvScale()) -> None:
         """qkv = RMSNorm(residual) @ w^T, then rope_and_cache's work on it."""
         width = (heads + 2 * kv_heads) * self.head_dim
         self._gemv("gemv_rmsnorm_rope", stream, w, hidden, width // 2, 2 * hidden, blocks,
                    (ptr(qkv), ptr(residual), ptr(norm_weight), np.float32(eps)),
                    (ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots), ptr(cos_sin), np.int32(heads),
-                    np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift)))
+                    np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift), *cache_inverses(kv_scale)))
 
     def gemv_rmsnorm_silu(self, stream, act, residual, norm_weight, eps: float, w, hidden: int, inter: int,
                           blocks: int | None = None) -> None:
