@@ -29,6 +29,10 @@ class KvScale:
         """What a value is multiplied by to be cached, in float32 (every backend's)."""
         return np.float32(1.0) / np.float32(scale)
 
+    def inverses(self) -> tuple[np.float32, np.float32]:
+        """What the kernels that write the cache multiply K and V by."""
+        return self.inverse(self.k), self.inverse(self.v)
+
 
 def cache_scales(kv_scales: list[KvScale], fp8: bool) -> list[KvScale]:
     """The scales a cache is written with: the checkpoint's for an FP8 cache; a cache of

@@ -22,7 +22,6 @@ from engine.backends.cpu.weights import CpuLinear, PackedCall, QuantizedRows, re
 from engine.backends.numpy_backend import NumpyBackend, _StepOps, head_rms_norm
 from engine.config import ModelConfig
 from engine.quantization.gguf import GgufWeight
-from engine.quantization.kv_cache import KvScale
 from engine.scheduler import ScheduledSeq
 from engine.weights import ModelWeights, Tensor, bf16_bits_to_f32
 
@@ -137,7 +136,7 @@ class _CpuStepOps(_StepOps):
         c = self.config
         self.kernels.rope_and_cache(qkv.ptr, self.tokens, c.num_heads, c.num_kv_heads, c.head_dim, self.cos_ptr,
                                     self.sin_ptr, self.new_slots_ptr, self.k_cache, self.v_cache, self.backend.fp8_kv,
-                                    KvScale.inverse(self.kv_scale.k), KvScale.inverse(self.kv_scale.v))
+                                    *self.kv_scale.inverses())
         return qkv
 
     def attention(self, qkv: Buffer) -> Buffer:

@@ -125,17 +125,18 @@ class LayerLaunches:
         then the merge kernel over those rows; in a small decode step the decode kernel
         merges them itself (step_metadata.is_small_decode), and a whole-context prompt's
         rows get their output from the prefill kernel (step_metadata.is_whole_context_prompt)."""
-        k, st, shape, a, b, scale = self.k, self.st, self.shape, self.attention_inputs, self.b, self.kv_scale
+        k, st, shape, a, b, kv_scale = self.k, self.st, self.shape, self.attention_inputs, self.b, self.kv_scale
         decode_rows = shape.tokens - shape.prompt
         if decode_rows:
             arrivals = self.fwd.arrivals if shape.small_decode else None
             k.paged_attention_partial(st, b.attn, arrivals, a, self.kc, self.vc, decode_rows,
-                                      prefetch=shape.decode_prefetch, kv_scale=scale)
+                                      prefetch=shape.decode_prefetch, kv_scale=kv_scale)
         if shape.prompt_tiles:
             out = b.attn if shape.whole_context_prompt else None
-            k.prefill_attention_partial(st, out, a, self.kc, self.vc, self.m["prompt_tiles"], shape.prompt_tiles, scale)
+            k.prefill_attention_partial(st, out, a, self.kc, self.vc, self.m["prompt_tiles"], shape.prompt_tiles,
+                                        kv_scale)
         if not shape.small_decode and shape.partial_rows:
-            k.paged_attention_merge(st, b.attn, a, shape.partial_rows, scale)
+            k.paged_attention_merge(st, b.attn, a, shape.partial_rows, kv_scale)
         return b.attn
 
     def silu_and_mul(self, gate_up) -> gpuarray.GPUArray:

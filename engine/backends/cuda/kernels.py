@@ -91,12 +91,6 @@ def nvcc_target(arch: str) -> dict[str, str]:
     return {"arch": "compute_90a", "code": "sm_90a"} if arch == "sm_90" else {"arch": arch}
 
 
-def cache_inverses(kv_scale: KvScale) -> tuple:
-    """What the kernels that write the cache multiply K and V by: the reciprocals of the
-    layer's scales (in the bfloat16 build, unread)."""
-    return KvScale.inverse(kv_scale.k), KvScale.inverse(kv_scale.v)
-
-
 def rope_and_cache_threads(heads: int, kv_heads: int, head_dim: int) -> int:
     """rope_and_cache's block: a thread per rotated pair of q and k, at most 1024 (it loops)."""
     return min(1024, (heads + kv_heads) * head_dim // 2)
@@ -305,7 +299,7 @@ class Kernels:
         self.functions["rope_and_cache"].prepared_async_call(
             (tokens, 1), (threads, 1, 1), stream, ptr(qkv), ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots),
             ptr(cos_sin), np.int32(heads), np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift),
-            *cache_inverses(kv_scale))
+            *kv_scale.inverses())  # (the bfloat16 build leaves them unread)
 
     # -- attention.cu -------------------------------------------------------------------
     def paged_attention_partial(self, stream, out, arrivals, attention: PagedAttention, k_cache, v_cache,
@@ -373,7 +367,7 @@ class Kernels:
         self._gemv("gemv_rmsnorm_rope", stream, w, hidden, width // 2, 2 * hidden, blocks,
                    (ptr(qkv), ptr(residual), ptr(norm_weight), np.float32(eps)),
                    (ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots), ptr(cos_sin), np.int32(heads),
-                    np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift), *cache_inverses(kv_scale)))
+                    np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift), *kv_scale.inverses()))
 
     def gemv_rmsnorm_silu(self, stream, act, residual, norm_weight, eps: float, w, hidden: int, inter: int,
                           blocks: int | None = None) -> None:
