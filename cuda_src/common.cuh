@@ -118,19 +118,12 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t codes) {
     return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes & 0xFFFF), __NV_E4M3)));
 }
 
-// The same as a word of two bfloat16, exactly, in five integer instructions and one
-// bfloat16x2 multiply (the hardware's conversion goes through half and float: four
-// conversions a pair, which bound decode attention on an e4m3 cache). Each code's
-// sign, 4 exponent bits and 3 mantissa bits move to bfloat16's places (exponent in the
-// low bits of bfloat16's 8, bias 7 read as 127), so the result is the value times
-// 2^-120; a multiply by 2^120 puts it right, subnormal codes included (bfloat16
-// subnormals scale exactly, as Marlin widens FP8 weights).
+// The same as a word of two bfloat16 (exact: e4m3's 3 mantissa bits fit bfloat16's 7).
+// (Moving the codes' bits into bfloat16's and one bfloat16x2 multiply by 2^120, as exact,
+// made decode attention on an e4m3 cache 1-3% slower: bench/HISTORY.md.)
 __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t codes) {
-    const uint32_t pair = __byte_perm(codes, 0, 0x7170);  // code 0 in the low half, code 1 in the high
-    const uint32_t bits = ((pair & 0x007F007Fu) << 4) | ((pair & 0x00800080u) << 8);
-    const __nv_bfloat162 scaled = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits),
-                                          __halves2bfloat162(__ushort_as_bfloat16(0x7B80), __ushort_as_bfloat16(0x7B80)));
-    return *reinterpret_cast<const uint32_t*>(&scaled);
+    const float2 f = e4m3x2_to_float2(codes);
+    return pack_bf16(f.x, f.y);
 }
 
 // The e4m3 code nearest to x, saturating at +-448, a tie going to the smaller
