@@ -431,12 +431,16 @@ def smollm2_shape(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("kv_cache_dtype, kv_scale", [("auto", None), ("fp8", None), ("fp8", KvScale(0.37, 1.6))],
+@pytest.mark.parametrize("kv_cache_dtype, kv_scale", [("auto", None), ("fp8", None), ("fp8", KvScale(0.5, 2.0))],
                          ids=["auto", "fp8", "fp8, calibrated scales"])
 def test_smollm2_shape_cuda_matches_numpy(smollm2_shape, kv_cache_dtype, kv_scale):
     """The same greedy tokens, with K and V cached in each backend's own precision or
     both in e4m3 (the CUDA backend's codes rounded from bfloat16, the numpy backend's
-    from float32), with a scale of 1 or a checkpoint's calibrated scales."""
+    from float32), with a scale of 1 or a checkpoint's calibrated scales. (Scales that
+    are powers of two, so that the e4m3 grid stays one of bfloat16's: with 0.37 and 1.6
+    the one-token prompt's first token sits on a near tie of this random model that a
+    0.1% change of the scales turns on the numpy backend alone, and the backends
+    differed there. Any scale's arithmetic is tested kernel by kernel: test_kernels.py.)"""
     from engine.backends.cuda.backend import CudaBackend
     from engine.backends.numpy_backend import NumpyBackend
 
