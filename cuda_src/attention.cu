@@ -669,7 +669,8 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
             bf16* out_row = out + ((size_t)row_t[i] * heads + row_h[i]) * HEAD_DIM;
 #pragma unroll
             for (int j = 0; j < DIM_BLOCKS; j++)
-                *reinterpret_cast<uint32_t*>(out_row + j * 8 + 2 * quad) = pack_bf16(o[j][2 * i] / l * v_scale, o[j][2 * i + 1] / l * v_scale);
+                *reinterpret_cast<uint32_t*>(out_row + j * 8 + 2 * quad) =
+                    pack_bf16(o[j][2 * i] / l * v_scale, o[j][2 * i + 1] / l * v_scale);
             continue;
         }
         const size_t part_idx = ((size_t)row_t[i] * heads + row_h[i]) * gridDim.z + part;
@@ -697,6 +698,6 @@ extern "C" __global__ void paged_attention_merge(bf16* __restrict__ out, const f
     const int t = blockIdx.x, h = blockIdx.y * blockDim.y + threadIdx.y, heads = gridDim.y * blockDim.y;
     const int d = threadIdx.x;
     const int spanned = min(partitions, positions[t] / partition + 1);
-    out[((size_t)t * heads + h) * HEAD_DIM + d] =
-        to_bf16(merge_partitions(part_acc, part_max, part_sum, ((size_t)t * heads + h) * partitions, spanned, d) * v_scale);
+    const float merged = merge_partitions(part_acc, part_max, part_sum, ((size_t)t * heads + h) * partitions, spanned, d);
+    out[((size_t)t * heads + h) * HEAD_DIM + d] = to_bf16(merged * v_scale);
 }

@@ -76,7 +76,7 @@ struct RopeCache {
     const int* slots;
     const float2* cos_sin;  // [positions, head_dim / 2] (rope_cache.cu)
     int heads, kv_heads, head_dim, block_shift;
-    float k_inv, v_inv;  // (rope_cache.cu)
+    float k_inv, v_inv;  // the reciprocals of the layer's K and V cache scales (rope_cache.cu)
 };
 
 // The token's inputs to the rotation and the cache write. Step metadata and the
