@@ -2,8 +2,8 @@
 and read back as code * k_scale, vLLM's convention. A checkpoint calibrated for an FP8
 cache carries the scales (compressed-tensors' kv_cache_scheme writes
 `self_attn.k_scale`, ModelOpt `self_attn.k_proj.k_scale`); without them the scale is 1,
-as in vLLM. Every backend caches and reads with the same float32 scales, its reciprocal
-rounded once (`inverse`), so that the codes match bit for bit."""
+as in vLLM. Every backend caches with the same float32 reciprocal of each scale
+(`KvScale.inverse`), so that their codes match bit for bit."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import numpy as np
 from engine.quantization.fp8 import e4m3_to_f32, f32_to_e4m3
 from engine.weights import Weights
 
-_NAMES = {"k": ("self_attn.k_scale", "self_attn.k_proj.k_scale"), "v": ("self_attn.v_scale", "self_attn.v_proj.v_scale")}
+_NAMES = {"k": ("self_attn.k_scale", "self_attn.k_proj.k_scale"),  # (compressed-tensors', ModelOpt's)
+          "v": ("self_attn.v_scale", "self_attn.v_proj.v_scale")}
 
 
 @dataclass(frozen=True)
