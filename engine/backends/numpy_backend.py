@@ -145,10 +145,10 @@ class _StepOps:
     def attention(self, qkv: np.ndarray) -> np.ndarray:
         c, b = self.config, self.bounds
         q = qkv[:, : self.q_end].reshape(-1, c.num_heads, c.head_dim)
-        load, scale = self.backend.kv_load, self.kv_scale
+        load, kv_scale = self.backend.kv_load, self.kv_scale
         return np.concatenate([
-            causal_attention(q[b[i] : b[i + 1]], load(self.k_cache[slots], scale.k), load(self.v_cache[slots], scale.v),
-                             s.start, c.head_dim ** -0.5)
+            causal_attention(q[b[i] : b[i + 1]], load(self.k_cache[slots], kv_scale.k),
+                             load(self.v_cache[slots], kv_scale.v), s.start, c.head_dim ** -0.5)
             for i, (s, slots) in enumerate(zip(self.batch, self.seq_slots))
         ])
 

@@ -7,6 +7,7 @@ as in vLLM. Every backend caches with the same float32 reciprocal of each scale
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ class KvScale:
         """What a value is multiplied by to be cached, in float32 (every backend's)."""
         return np.float32(1.0) / np.float32(scale)
 
+    @functools.cached_property  # (read at every launch that writes the cache)
     def inverses(self) -> tuple[np.float32, np.float32]:
         """What the kernels that write the cache multiply K and V by."""
         return self.inverse(self.k), self.inverse(self.v)

@@ -245,7 +245,7 @@ def test_rope_and_cache_and_paged_attention_match_the_numpy_reference(kernels, f
 
     cos, sin = np.ascontiguousarray(cos), np.ascontiguousarray(sin)
     kernels.rope_and_cache(addr(qkv), len(positions), heads, kv_heads, dim, addr(cos), addr(sin), addr(new_slots),
-                           addr(k_cache), addr(v_cache), fp8, *scale.inverses())
+                           addr(k_cache), addr(v_cache), fp8, *scale.inverses)
     np.testing.assert_allclose(qkv[:, : heads * dim], q.reshape(len(q), -1), atol=1e-6)
     np.testing.assert_array_equal(k_cache, k_ref)
     np.testing.assert_array_equal(v_cache, v_ref)

@@ -136,7 +136,7 @@ class _CpuStepOps(_StepOps):
         c = self.config
         self.kernels.rope_and_cache(qkv.ptr, self.tokens, c.num_heads, c.num_kv_heads, c.head_dim, self.cos_ptr,
                                     self.sin_ptr, self.new_slots_ptr, self.k_cache, self.v_cache, self.backend.fp8_kv,
-                                    *self.kv_scale.inverses())
+                                    *self.kv_scale.inverses)
         return qkv
 
     def attention(self, qkv: Buffer) -> Buffer:

@@ -299,7 +299,7 @@ class Kernels:
         self.functions["rope_and_cache"].prepared_async_call(
             (tokens, 1), (threads, 1, 1), stream, ptr(qkv), ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots),
             ptr(cos_sin), np.int32(heads), np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift),
-            *kv_scale.inverses())  # (the bfloat16 build leaves them unread)
+            *kv_scale.inverses)  # (the bfloat16 build leaves them unread)
 
     # -- attention.cu -------------------------------------------------------------------
     def paged_attention_partial(self, stream, out, arrivals, attention: PagedAttention, k_cache, v_cache,
@@ -367,7 +367,7 @@ class Kernels:
         self._gemv("gemv_rmsnorm_rope", stream, w, hidden, width // 2, 2 * hidden, blocks,
                    (ptr(qkv), ptr(residual), ptr(norm_weight), np.float32(eps)),
                    (ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots), ptr(cos_sin), np.int32(heads),
-                    np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift), *kv_scale.inverses()))
+                    np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift), *kv_scale.inverses))
 
     def gemv_rmsnorm_silu(self, stream, act, residual, norm_weight, eps: float, w, hidden: int, inter: int,
                           blocks: int | None = None) -> None:
