@@ -96,31 +96,49 @@ struct ChunkFragments {  // one lane's share of a chunk's K and V rows
     uint32_t v[4][V_WORDS];  // rows 2q, 2q + 1, 2q + 8, 2q + 9, dims g * DIM_SLICE..
 };
 
+// The same as the cache holds them (kv_cache.cuh: e4m3 codes, or the fragments
+// themselves). A chunk's codes are all loaded before any is widened (widen_chunk): an
+// e4m3 row widened as it arrived kept the next row's load waiting, and the e4m3 cache's
+// attention ran at half the bandwidth of bfloat16's (bench/HISTORY.md).
+struct ChunkCodes {
+    uint32_t k[2][kv_code_words(K_WORDS)];
+    uint32_t v[4][kv_code_words(V_WORDS)];
+};
+
 // Positions past `end` read as zeros (no NaN from cache slots never written).
 template <int words>
-__device__ __forceinline__ void load_row(uint32_t* dst, const kv_t* __restrict__ cache, const int* blocks_s,
+__device__ __forceinline__ void load_row(uint32_t* codes, const kv_t* __restrict__ cache, const int* blocks_s,
                                          int first_block, int block_shift, int kv_heads, int kvh, int pos, int dim, int end) {
     if (pos < end) {
         const size_t row = kv_row(blocks_s[(pos >> block_shift) - first_block], in_block(pos, block_shift), kvh, kv_heads,
                                   block_shift);
-        load_kv_words<words>(dst, cache + row * HEAD_DIM + dim);
+        load_kv_codes<words>(codes, cache + row * HEAD_DIM + dim);
     } else {
 #pragma unroll
-        for (int i = 0; i < words; i++) dst[i] = 0u;
+        for (int i = 0; i < kv_code_words(words); i++) codes[i] = 0u;
     }
 }
 
-__device__ __forceinline__ void load_chunk(ChunkFragments& f, const kv_t* __restrict__ k_cache,
+__device__ __forceinline__ void load_chunk(ChunkCodes& c, const kv_t* __restrict__ k_cache,
                                            const kv_t* __restrict__ v_cache, const int* blocks_s, int first_block,
                                            int block_shift, int kv_heads, int kvh, int chunk, int end, int g, int q) {
 #pragma unroll
     for (int i = 0; i < 2; i++)
-        load_row<K_WORDS>(f.k[i], k_cache, blocks_s, first_block, block_shift, kv_heads, kvh, chunk + 8 * i + g,
+        load_row<K_WORDS>(c.k[i], k_cache, blocks_s, first_block, block_shift, kv_heads, kvh, chunk + 8 * i + g,
                           q * QUARTER, end);
 #pragma unroll
     for (int r = 0; r < 4; r++)
-        load_row<V_WORDS>(f.v[r], v_cache, blocks_s, first_block, block_shift, kv_heads, kvh,
+        load_row<V_WORDS>(c.v[r], v_cache, blocks_s, first_block, block_shift, kv_heads, kvh,
                           chunk + 2 * q + (r & 1) + 8 * (r >> 1), g * DIM_SLICE, end);
+}
+
+__device__ __forceinline__ ChunkFragments widen_chunk(const ChunkCodes& c) {
+    ChunkFragments f;
+#pragma unroll
+    for (int i = 0; i < 2; i++) widen_kv_codes<K_WORDS>(f.k[i], c.k[i]);
+#pragma unroll
+    for (int r = 0; r < 4; r++) widen_kv_codes<V_WORDS>(f.v[r], c.v[r]);
+    return f;
 }
 
 // Pass 2 for the GROUP heads of token t's KV head kvh, by the block's WARPS * 32
@@ -189,8 +207,8 @@ __device__ __forceinline__ void merge_in_block(bf16* __restrict__ out, const flo
 }
 
 // PREFETCH: each warp loads its next chunk while it computes this one, holding two
-// chunks' fragments (125 registers against 96 at HEAD_DIM 64: four blocks an SM, not
-// five), for small decodes at long contexts (StepShape.decode_prefetch: at 32,768
+// chunks (bfloat16: 121 registers against 83 at HEAD_DIM 64, four blocks an SM, not
+// five; e4m3 codes: 86 against 78), for small decodes at long contexts (StepShape.decode_prefetch: at 32,768
 // positions 512 blocks, each warp walking 8 chunks in turn). The sums are the same.
 template <bool PREFETCH>
 __device__ __forceinline__ void decode_attention(
@@ -225,7 +243,7 @@ __device__ __forceinline__ void decode_attention(
             blocks_s[i] = table[first_block + i];
     }
     __syncthreads();  // blocks_s is written
-    ChunkFragments cur, next;
+    ChunkCodes cur, next;
     const bool first_chunk_early = first_chunk + CHUNK <= position;
     if (first_chunk_early)
         load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_shift, kv_heads, kvh, first_chunk, end, g, q);
@@ -259,6 +277,7 @@ __device__ __forceinline__ void decode_attention(
         } else if (chunk != first_chunk || !first_chunk_early) {
             load_chunk(cur, k_cache, v_cache, blocks_s, first_block, block_shift, kv_heads, kvh, chunk, end, g, q);
         }
+        const ChunkFragments f = widen_chunk(cur);
         // S = Q K^T: s[i] holds row g at positions chunk + 8 i + 2q, + 1 (and row g + 8's, unused)
         float s[2][4];
 #pragma unroll
@@ -267,7 +286,7 @@ __device__ __forceinline__ void decode_attention(
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
                 const uint32_t a[4] = {q_frag[2 * kk], 0u, q_frag[2 * kk + 1], 0u};
-                mma_bf16(s[i], a, cur.k[i][2 * kk], cur.k[i][2 * kk + 1]);
+                mma_bf16(s[i], a, f.k[i][2 * kk], f.k[i][2 * kk + 1]);
             }
         }
         float p[4];  // positions chunk + 2q, 2q + 1, 2q + 8, 2q + 9
@@ -300,8 +319,8 @@ __device__ __forceinline__ void decode_attention(
         const uint32_t b0 = pack_bf16(p[0], p[1]), b1 = pack_bf16(p[2], p[3]);
 #pragma unroll
         for (int mt = 0; mt < DIM_TILES; mt++) {  // V^T's A fragment: dims 2 mt (low halves), 2 mt + 1 (high)
-            const uint32_t a[4] = {__byte_perm(cur.v[0][mt], cur.v[1][mt], 0x5410), __byte_perm(cur.v[0][mt], cur.v[1][mt], 0x7632),
-                                   __byte_perm(cur.v[2][mt], cur.v[3][mt], 0x5410), __byte_perm(cur.v[2][mt], cur.v[3][mt], 0x7632)};
+            const uint32_t a[4] = {__byte_perm(f.v[0][mt], f.v[1][mt], 0x5410), __byte_perm(f.v[0][mt], f.v[1][mt], 0x7632),
+                                   __byte_perm(f.v[2][mt], f.v[3][mt], 0x5410), __byte_perm(f.v[2][mt], f.v[3][mt], 0x7632)};
             mma_bf16(o[mt], a, b0, b1);
         }
         if (PREFETCH) cur = next;

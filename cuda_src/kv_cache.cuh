@@ -36,38 +36,49 @@ __device__ __forceinline__ void widen_e4m3x4(uint32_t codes, uint32_t& lo, uint3
     hi = e4m3x2_to_bf16x2(codes >> 16);
 }
 
-// `words` words of bfloat16 pairs (2 * words values) from the cache at src (aligned to
-// the bytes it reads): 16-byte loads of codes where they fill them, else 8-byte ones.
+// The 32-bit words of codes that hold `words` words of bfloat16 pairs.
+__host__ __device__ constexpr int kv_code_words(int words) { return words / 2; }
+
+// The codes of `words` words of bfloat16 pairs (2 * words values) from the cache at src
+// (aligned to the bytes it reads), as they are: 16-byte loads where they fill them, else
+// 8-byte ones. Widened apart (widen_kv_codes), once every load of a chunk is issued:
+// widened as each load returned, a chunk's rows were read one round trip after another
+// (attention.cu's load_chunk); and a chunk loaded ahead is held in half the registers.
 template <int words>
-__device__ __forceinline__ void load_kv_words(uint32_t* dst, const kv_t* __restrict__ src) {
+__device__ __forceinline__ void load_kv_codes(uint32_t* codes, const kv_t* __restrict__ src) {
     if constexpr (words % 8 == 0) {
 #pragma unroll
-        for (int i = 0; i < words / 8; i++) {
-            const uint4 c = __ldg(reinterpret_cast<const uint4*>(src) + i);
-            widen_e4m3x4(c.x, dst[8 * i], dst[8 * i + 1]);
-            widen_e4m3x4(c.y, dst[8 * i + 2], dst[8 * i + 3]);
-            widen_e4m3x4(c.z, dst[8 * i + 4], dst[8 * i + 5]);
-            widen_e4m3x4(c.w, dst[8 * i + 6], dst[8 * i + 7]);
-        }
+        for (int i = 0; i < words / 8; i++) reinterpret_cast<uint4*>(codes)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
     } else {
         static_assert(words % 4 == 0, "whole 8-byte loads");
 #pragma unroll
-        for (int i = 0; i < words / 4; i++) {
-            const uint2 c = __ldg(reinterpret_cast<const uint2*>(src) + i);
-            widen_e4m3x4(c.x, dst[4 * i], dst[4 * i + 1]);
-            widen_e4m3x4(c.y, dst[4 * i + 2], dst[4 * i + 3]);
-        }
+        for (int i = 0; i < words / 4; i++) reinterpret_cast<uint2*>(codes)[i] = __ldg(reinterpret_cast<const uint2*>(src) + i);
     }
+}
+
+// load_kv_codes' codes as `words` words of bfloat16 pairs.
+template <int words>
+__device__ __forceinline__ void widen_kv_codes(uint32_t* dst, const uint32_t* codes) {
+#pragma unroll
+    for (int i = 0; i < words / 2; i++) widen_e4m3x4(codes[i], dst[2 * i], dst[2 * i + 1]);
 }
 #else
 typedef bf16 kv_t;
 
 __device__ __forceinline__ kv_t to_kv(float x, float) { return to_bf16(x); }  // (a bfloat16 cache has no scale)
 
+__host__ __device__ constexpr int kv_code_words(int words) { return words; }  // (bfloat16 pairs are their own codes)
+
 template <int words>
-__device__ __forceinline__ void load_kv_words(uint32_t* dst, const kv_t* __restrict__ src) {
+__device__ __forceinline__ void load_kv_codes(uint32_t* codes, const kv_t* __restrict__ src) {
     static_assert(words % 4 == 0, "whole 16-byte loads");
 #pragma unroll
-    for (int i = 0; i < words / 4; i++) reinterpret_cast<uint4*>(dst)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+    for (int i = 0; i < words / 4; i++) reinterpret_cast<uint4*>(codes)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+}
+
+template <int words>
+__device__ __forceinline__ void widen_kv_codes(uint32_t* dst, const uint32_t* codes) {
+#pragma unroll
+    for (int i = 0; i < words; i++) dst[i] = codes[i];
 }
 #endif
