@@ -99,7 +99,8 @@ struct ChunkFragments {  // one lane's share of a chunk's K and V rows
 // The same as the cache holds them (kv_cache.cuh: e4m3 codes, or the fragments
 // themselves). A chunk's codes are all loaded before any is widened (widen_chunk): an
 // e4m3 row widened as it arrived kept the next row's load waiting, and the e4m3 cache's
-// attention ran at half the bandwidth of bfloat16's (bench/HISTORY.md).
+// attention ran at half the bandwidth of bfloat16's (bench/HISTORY.md); a chunk loaded
+// ahead is held so, in half the registers.
 struct ChunkCodes {
     uint32_t k[2][kv_code_words(K_WORDS)];
     uint32_t v[4][kv_code_words(V_WORDS)];
@@ -208,8 +209,9 @@ __device__ __forceinline__ void merge_in_block(bf16* __restrict__ out, const flo
 
 // PREFETCH: each warp loads its next chunk while it computes this one, holding two
 // chunks (bfloat16: 121 registers against 83 at HEAD_DIM 64, four blocks an SM, not
-// five; e4m3 codes: 86 against 78), for small decodes at long contexts (StepShape.decode_prefetch: at 32,768
-// positions 512 blocks, each warp walking 8 chunks in turn). The sums are the same.
+// five; e4m3, the next chunk's codes unwidened: 86 against 78), for small decodes at
+// long contexts (StepShape.decode_prefetch: at 32,768 positions 512 blocks, each warp
+// walking 8 chunks in turn). The sums are the same.
 template <bool PREFETCH>
 __device__ __forceinline__ void decode_attention(
     bf16* __restrict__ out,           // [tokens, heads, HEAD_DIM]

@@ -41,9 +41,8 @@ __host__ __device__ constexpr int kv_code_words(int words) { return words / 2; }
 
 // The codes of `words` words of bfloat16 pairs (2 * words values) from the cache at src
 // (aligned to the bytes it reads), as they are: 16-byte loads where they fill them, else
-// 8-byte ones. Widened apart (widen_kv_codes), once every load of a chunk is issued:
-// widened as each load returned, a chunk's rows were read one round trip after another
-// (attention.cu's load_chunk); and a chunk loaded ahead is held in half the registers.
+// 8-byte ones. widen_kv_codes widens them apart, once a chunk's loads are all issued
+// (attention.cu's ChunkCodes says why).
 template <int words>
 __device__ __forceinline__ void load_kv_codes(uint32_t* codes, const kv_t* __restrict__ src) {
     if constexpr (words % 8 == 0) {

@@ -457,9 +457,9 @@ def test_smollm2_shape_cuda_matches_numpy(smollm2_shape, kv_cache_dtype, kv_scal
         engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=256))
         outs = run(engine, [engine.make_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)], check_blocks=False)
         results[name] = [tokens(outs[f"r{i}"]) for i in range(len(prompts))]
-    same = sum(a == b for a, b in zip(results["numpy"], results["cuda"]))
     first_differing = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
                        for a, b in zip(results["numpy"], results["cuda"])]
+    same = first_differing.count(None)
     print(f"\nSmolLM2 shape, {kv_cache_dtype} KV cache, scales {kv_scale or 1}: {same}/{len(prompts)} prompts give the "
           f"same 24 greedy tokens on cuda and numpy (each prompt's first differing token: {first_differing})")
     assert results["cuda"] == results["numpy"]
