@@ -7,13 +7,15 @@ and the kernels and GEMMs of that step, of 64 prompt tokens after 1,024 cached, 
 one's launches replayed alone in a graph with programmatic launches); and the
 bandwidth cuBLAS reaches on each weight matrix at 1 to 256 rows, and our GEMV at one row, launched one by one and as a
 decode graph runs it, back to back with programmatic launches (`graph`). Llama 3.2 1B
-shape, bfloat16, random weights.
+shape, random weights: bfloat16, or the layers in a quantized format with --format and
+the KV cache in e4m3 with --kv-cache-dtype fp8 (then without the bfloat16 GEMM table).
 
-    python bench/profile_step.py      # on a machine with an NVIDIA GPU
+    python bench/profile_step.py [--format F] [--kv-cache-dtype fp8]   # on a machine with an NVIDIA GPU
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
@@ -34,6 +36,8 @@ from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from devtools.checkpoints import LLAMA_32_1B, make_model  # noqa: E402
+from devtools.quantized import MODEL_FORMATS  # noqa: E402
+from engine.backends.base import KV_CACHE_DTYPES  # noqa: E402
 
 
 SMALL_BATCH = EngineConfig(num_kv_blocks=4096)
@@ -62,13 +66,15 @@ def graph_ms(stream: cuda.Stream, queue) -> float:
 
 
 class Timer:
-    """Wraps each kernel and the GEMM call with start/end events on the backend's stream."""
+    """Wraps each kernel and the GEMM calls with start/end events on the backend's stream."""
 
     def __init__(self, backend: CudaBackend):
         self.backend, self.events, self.on = backend, [], False
         for name, fn in backend.kernels.functions.items():
             fn.prepared_async_call = self._wrap(name, fn.prepared_async_call)
         backend.blas.gemm = self._wrap("gemm (cuBLAS)", backend.blas.gemm)
+        if backend.linear.lt:
+            backend.linear.lt.matmul = self._wrap("FP8 matmul (cuBLASLt)", backend.linear.lt.matmul)
 
     def _wrap(self, name, call):
         def timed(*args, **kwargs):
@@ -105,9 +111,9 @@ def report(title: str, times: dict[str, float], total: float) -> None:
         print(f"  {name:<26} {ms:8.3f} ms")
 
 
-def graph_step_times(model) -> None:
+def graph_step_times(model, options: dict) -> None:
     """Batch 1 with CUDA graphs: where a step's wall time goes, host against GPU."""
-    backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=True)
+    backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=True, **options)
     engine = LLMEngine(model, backend, SMALL_BATCH)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     engine.add(engine.make_sequence("b1", list(range(1000, 1128)), params))
@@ -158,30 +164,39 @@ def decode_of_256(engine: LLMEngine) -> None:
         engine.step()
 
 
-def graph_kernel_table(model, title: str, prepare, config: EngineConfig = SMALL_BATCH) -> None:
+def graph_kernel_table(model, options: dict, title: str, prepare, config: EngineConfig = SMALL_BATCH) -> None:
     """A step's kernels as a CUDA graph runs them. Events around each launch of an eager
     step (the table further down) add a gap per launch that a graph does not have, so
     here the launches of one eager step (after `prepare`) are recorded, and each
     kernel's launches (16 or so: one a layer) are replayed alone, back to back with
     programmatic launches, in a graph of REPEATS steps' worth; cuBLAS calls by weight
-    shape. The last row replays every launch in order: it should come near the step
-    graph's own GPU time."""
-    backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False)
+    shape, cuBLASLt's FP8 products by plan. The last row replays every launch in order:
+    it should come near the step graph's own GPU time."""
+    backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False, **options)
     engine = LLMEngine(model, backend, config)
     prepare(engine)
-    launches = []  # (name, function, grid, block, arguments after the stream, keywords); GEMMs: grid None
+    launches = []  # (name, library call or None for our kernels, grid, block, arguments after the stream, keywords)
     for name, fn in backend.kernels.functions.items():
         def record(grid, block, stream, *args, _name=name, _call=fn.prepared_async_call, **kwargs):
-            launches.append((_name, grid, block, args, kwargs))
+            launches.append((_name, None, grid, block, args, kwargs))
             return _call(grid, block, stream, *args, **kwargs)
         fn.prepared_async_call = record
     blas_gemm = backend.blas.gemm
 
     def gemm(*args):
         rows, d_in, d_out = args[-3:]
-        launches.append((f"cuBLAS {rows}x{d_in} by {d_out}", None, None, args, {}))
+        launches.append((f"cuBLAS {rows}x{d_in} by {d_out}", blas_gemm, None, None, args, {}))
         blas_gemm(*args)
     backend.blas.gemm = gemm
+    lt = backend.linear.lt
+    if lt:
+        lt_matmul = lt.matmul
+
+        def matmul(plan, *args, **kwargs):
+            rows, d_in, d_out = plan.shape.tokens, plan.shape.d_in, plan.shape.d_out
+            launches.append((f"cuBLASLt FP8 {rows}x{d_in} by {d_out}", lt_matmul, None, None, (plan, *args), kwargs))
+            lt_matmul(plan, *args, **kwargs)
+        lt.matmul = matmul
     engine.step()  # (its buffers go back to the memory pool, which keeps them: the replays below reuse them)
     repeats = 20
     print(f"\n{title} as a CUDA graph runs it, kernel by kernel")
@@ -193,9 +208,9 @@ def graph_kernel_table(model, title: str, prepare, config: EngineConfig = SMALL_
             """Microseconds a step's worth of `chosen` launches takes in a graph."""
             def queue():
                 for _ in range(repeats):
-                    for name, grid, block, args, kwargs in chosen:
-                        if grid is None:
-                            blas_gemm(*args)
+                    for name, library_call, grid, block, args, kwargs in chosen:
+                        if library_call:
+                            library_call(*args, **kwargs)
                         else:
                             kernels.functions[name].prepared_async_call(grid, block, backend.stream, *args, **kwargs)
             return graph_ms(backend.stream, queue) * 1e3 / repeats
@@ -246,16 +261,23 @@ def gemm_table(backend: CudaBackend) -> None:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--format", choices=sorted(MODEL_FORMATS), default="bf16", help="the layers' weights (as engine_throughput.py's)")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="bfloat16 (auto) or FP8 e4m3 K/V")
+    args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp), LLAMA_32_1B, seed=0)
-        model = load_model(tmp)
-    graph_step_times(model)
-    graph_kernel_table(model, "batch-1 decode step (context 129)", decode_at_129)
-    graph_kernel_table(model, "64 prompt tokens after 1,024 cached", tail_after_cached_prefix)
-    graph_kernel_table(model, "a 1,024-token prompt", prompt_of_1024)
-    graph_kernel_table(model, "decode, 256 sequences at ~850 tokens", decode_of_256, LARGE_BATCH)
-    backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False)
-    gemm_table(backend)
+        model = MODEL_FORMATS[args.format](load_model(tmp))
+    options = dict(kv_cache_dtype=args.kv_cache_dtype, int4_weights=True)
+    print(f"Llama 3.2 1B shape, {args.format} weights, {args.kv_cache_dtype} KV cache")
+    graph_step_times(model, options)
+    graph_kernel_table(model, options, "batch-1 decode step (context 129)", decode_at_129)
+    graph_kernel_table(model, options, "64 prompt tokens after 1,024 cached", tail_after_cached_prefix)
+    graph_kernel_table(model, options, "a 1,024-token prompt", prompt_of_1024)
+    graph_kernel_table(model, options, "decode, 256 sequences at ~850 tokens", decode_of_256, LARGE_BATCH)
+    backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False, **options)
+    if args.format == "bf16":
+        gemm_table(backend)
     engine = LLMEngine(model, backend, LARGE_BATCH)
     timer = Timer(backend)
     rng = np.random.default_rng(0)
