@@ -445,7 +445,7 @@ def test_smollm2_shape_cuda_matches_numpy(smollm2_shape, kv_cache_dtype, kv_scal
     is within NEAR_TIE of the numpy backend's, and the two may part only where the
     numpy backend's own log-prob for the CUDA backend's token is within NEAR_TIE of its
     choice: this random model's near-uniform logits hold such near ties (its one-token
-    prompt parts on one after 9 tokens at scales 0.5 and 2, on another at its first at 2
+    prompt meets one at its 10th token at scales 0.5 and 2, another at its first at 2
     and 0.5), and a different rounding may pick either side. Any scale's arithmetic is
     tested kernel by kernel: test_kernels.py."""
     from engine.backends.cuda.backend import CudaBackend
