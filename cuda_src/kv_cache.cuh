@@ -39,22 +39,6 @@ __device__ __forceinline__ void widen_e4m3x4(uint32_t codes, uint32_t& lo, uint3
 // The 32-bit words of codes that hold `words` words of bfloat16 pairs.
 __host__ __device__ constexpr int kv_code_words(int words) { return words / 2; }
 
-// The codes of `words` words of bfloat16 pairs (2 * words values) from the cache at src
-// (aligned to the bytes it reads), as they are: 16-byte loads where they fill them, else
-// 8-byte ones. widen_kv_codes widens them apart, once a chunk's loads are all issued
-// (attention.cu's ChunkCodes says why).
-template <int words>
-__device__ __forceinline__ void load_kv_codes(uint32_t* codes, const kv_t* __restrict__ src) {
-    if constexpr (words % 8 == 0) {
-#pragma unroll
-        for (int i = 0; i < words / 8; i++) reinterpret_cast<uint4*>(codes)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
-    } else {
-        static_assert(words % 4 == 0, "whole 8-byte loads");
-#pragma unroll
-        for (int i = 0; i < words / 4; i++) reinterpret_cast<uint2*>(codes)[i] = __ldg(reinterpret_cast<const uint2*>(src) + i);
-    }
-}
-
 // load_kv_codes' codes as `words` words of bfloat16 pairs.
 template <int words>
 __device__ __forceinline__ void widen_kv_codes(uint32_t* dst, const uint32_t* codes) {
@@ -69,15 +53,25 @@ __device__ __forceinline__ kv_t to_kv(float x, float) { return to_bf16(x); }  //
 __host__ __device__ constexpr int kv_code_words(int words) { return words; }  // (bfloat16 pairs are their own codes)
 
 template <int words>
-__device__ __forceinline__ void load_kv_codes(uint32_t* codes, const kv_t* __restrict__ src) {
-    static_assert(words % 4 == 0, "whole 16-byte loads");
-#pragma unroll
-    for (int i = 0; i < words / 4; i++) reinterpret_cast<uint4*>(codes)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
-}
-
-template <int words>
 __device__ __forceinline__ void widen_kv_codes(uint32_t* dst, const uint32_t* codes) {
 #pragma unroll
     for (int i = 0; i < words; i++) dst[i] = codes[i];
 }
 #endif
+
+// The codes of `words` words of bfloat16 pairs (2 * words values) from the cache at src
+// (aligned to the bytes it reads), as they are: 16-byte loads where they fill them, else
+// 8-byte ones. widen_kv_codes widens them apart, once a chunk's loads are all issued
+// (attention.cu's ChunkCodes says why).
+template <int words>
+__device__ __forceinline__ void load_kv_codes(uint32_t* codes, const kv_t* __restrict__ src) {
+    constexpr int n = kv_code_words(words);
+    if constexpr (n % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < n / 4; i++) reinterpret_cast<uint4*>(codes)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+    } else {
+        static_assert(n % 2 == 0, "whole 8-byte loads");
+#pragma unroll
+        for (int i = 0; i < n / 2; i++) reinterpret_cast<uint2*>(codes)[i] = __ldg(reinterpret_cast<const uint2*>(src) + i);
+    }
+}
