@@ -137,6 +137,27 @@ __device__ __forceinline__ uint8_t to_e4m3(float x) {
     return (uint8_t)(code | (x < 0.f ? 0x80u : 0u));
 }
 
+// The ends of a W8A8 product (fp8_activations.cu): a row of activations goes in as e4m3
+// codes over one scale, its largest magnitude over 448 (1 for a row of zeros), ...
+__device__ __forceinline__ float e4m3_row_scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
+
+// ... 8 values at a time, their codes packed in 8 bytes, the first lowest ...
+__device__ __forceinline__ uint2 pack_e4m3x8(const float* v, float scale) {
+    uint32_t word[2] = {0u, 0u};
+#pragma unroll
+    for (int j = 0; j < 8; j++) word[j / 4] |= (uint32_t)to_e4m3(v[j] / scale) << (8 * (j % 4));
+    return make_uint2(word[0], word[1]);
+}
+
+// ... and its 8 sums y[t, o..o+7] come out in bfloat16, to be scaled back by the token's
+// scale and the weight rows' (col_scales + o): v[j] = bf16(v[j] * (row_scale * col_scales[j])).
+__device__ __forceinline__ void unscale_sums8(float* v, float row_scale, const float* col_scales) {
+    float s[8];
+    load_f32x8(col_scales, s);
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = round_bf16(v[j] * (row_scale * s[j]));
+}
+
 // 16 bytes from global to shared memory without passing through registers (cp.async,
 // sm_80 and later), or 16 zero bytes where `valid` is false.
 __device__ __forceinline__ void copy16_async(void* smem, const void* gmem, bool valid) {

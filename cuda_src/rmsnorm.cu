@@ -8,18 +8,33 @@
 //   out[i] = weight * bf16(residual[r] / sqrt(mean(residual[r]^2) + eps))
 // Fusing the residual add saves a pass over the activations. `rows` picks the rows
 // to normalise (all of them, or the last token of each sequence before the head).
+// The ends of W8A8 products (fp8_activations.cu) ride along: where delta_col_scales is
+// not null, delta holds a product's sums, scaled back here by delta_row_scales[r] and
+// delta_col_scales; where out_scales is not null, out[i] is the normalised row's e4m3
+// codes (uint8), out_scales[i] its scale.
 // Each thread takes 8 consecutive elements at a time (16- and 32-byte accesses).
-// grid: output rows; block: 256 threads; hidden % 8 == 0 (checked by the host)
+// grid: output rows; block: 256 threads; shared: 2 * hidden bytes with out_scales;
+// hidden % 8 == 0 (checked by the host)
 extern "C" __global__ void add_rmsnorm(float* __restrict__ residual, const bf16* __restrict__ delta,
-                                       const bf16* __restrict__ weight, bf16* __restrict__ out,
+                                       const float* __restrict__ delta_row_scales,
+                                       const float* __restrict__ delta_col_scales, const bf16* __restrict__ weight,
+                                       void* __restrict__ out, float* __restrict__ out_scales,
                                        const int* __restrict__ rows, int hidden, float eps) {
-    await_previous_kernel();
+    extern __shared__ uint4 stash[];  // quantize_row's
     __shared__ float scratch[32];
+    await_previous_kernel();
     const int r = rows[blockIdx.x];
     float* x = residual + (size_t)r * hidden;
-    const float sum_sq = add_and_sum_squares(x, delta ? delta + (size_t)r * hidden : nullptr, hidden);
+    const float sum_sq = add_and_sum_squares(x, delta ? delta + (size_t)r * hidden : nullptr, hidden,
+                                             delta_col_scales ? delta_row_scales[r] : 1.f, delta_col_scales);
     const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / hidden + eps);
-    scale_row(x, weight, out + (size_t)blockIdx.x * hidden, hidden, inv_rms);
+    if (out_scales) {
+        const float scale = quantize_row(x, weight, static_cast<uint8_t*>(out) + (size_t)blockIdx.x * hidden, hidden,
+                                         inv_rms, stash, scratch);
+        if (threadIdx.x == 0) out_scales[blockIdx.x] = scale;
+    } else {
+        scale_row(x, weight, static_cast<bf16*>(out) + (size_t)blockIdx.x * hidden, hidden, inv_rms);
+    }
 }
 
 // For each token t, and each query and key head of t's row of the fused projection

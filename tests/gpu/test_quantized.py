@@ -42,7 +42,7 @@ from engine.quantization.base import QuantizedWeight  # noqa: E402
 from engine.quantization.fp8 import Fp8Weight  # noqa: E402
 from engine.weights import bf16_bits_to_f32  # noqa: E402
 from tests.gpu.conftest import bf16, log_probs, rel_l2  # noqa: E402
-from engine.backends.cuda.kernels import skinny_splits  # noqa: E402
+from engine.backends.cuda.kernels import SumScales, skinny_splits  # noqa: E402
 from tests.gpu.test_kernels import (BLOCK_SHIFT, TOL, assert_skinny_gemm_is_exact_and_row_invariant, cache_shape,  # noqa: E402
                                     cos_sin_table, i32, kernels_for, llama3_inv_freq, poisoned_bf16, separate_add,
                                     separate_rmsnorm, up_bf16)
@@ -249,6 +249,96 @@ def test_scale_rows_and_cols_matches_numpy(kernels, y_f32):
         np.testing.assert_array_equal(bf16_bits_to_f32(y_gpu.get()), bf16(bf16(y) * (r[:, None] * c[None, :])))
 
 
+def w8a8_sums(rows: int, cols: int) -> tuple[gpuarray.GPUArray, SumScales]:
+    """A W8A8 product's sums as cuBLASLt leaves them (bfloat16, at the magnitude of
+    products of e4m3 codes), and the token and weight-row scales that take them back."""
+    sums = up_bf16(RNG.standard_normal((rows, cols)).astype(np.float32) * 3e3)
+    return sums, SumScales(*(gpuarray.to_gpu(RNG.uniform(1e-4, 1e-3, n).astype(np.float32)) for n in (rows, cols)))
+
+
+def scaled_back(kernels, sums: gpuarray.GPUArray, scales: SumScales) -> gpuarray.GPUArray:
+    """A copy of the sums scaled back by scale_rows_and_cols (tested above)."""
+    out = sums.copy()
+    kernels.scale_rows_and_cols(None, out, scales.rows, scales.cols, *sums.shape)
+    return out
+
+
+def assert_same_codes(got: tuple, expected: tuple) -> None:
+    """(codes, scales) pairs equal bit for bit."""
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a.get(), b.get())
+
+
+def empty_codes(rows: int, cols: int) -> tuple[gpuarray.GPUArray, gpuarray.GPUArray]:
+    return gpuarray.zeros((rows, cols), np.uint8), gpuarray.to_gpu(np.full(rows, np.nan, np.float32))
+
+
+@pytest.mark.parametrize("codes", [False, True], ids=["bf16 out", "codes out"])
+def test_add_rmsnorm_takes_w8a8_sums_and_writes_codes(kernels, codes):
+    """add_rmsnorm over a W8A8 product's sums as its delta (scaled back as it adds
+    them), writing bfloat16 or e4m3 codes a row: bit for bit scale_rows_and_cols,
+    add_rmsnorm and quantize_rows_e4m3 in turn, over a subset of rows in any order."""
+    tokens, hidden = 37, 2048
+    residual = bf16(RNG.standard_normal((tokens, hidden)).astype(np.float32))
+    weight = up_bf16(RNG.standard_normal(hidden).astype(np.float32))
+    rows = i32(RNG.permutation(tokens)[:30])
+    delta, scales = w8a8_sums(tokens, hidden)
+    fused_residual, separate_residual = gpuarray.to_gpu(residual), gpuarray.to_gpu(residual)
+    h = poisoned_bf16((30, hidden))
+    kernels.add_rmsnorm(None, separate_residual, scaled_back(kernels, delta, scales), weight, h, rows, 30, hidden, 1e-5)
+    if codes:
+        fused, separate = empty_codes(30, hidden), empty_codes(30, hidden)
+        kernels.add_rmsnorm(None, fused_residual, delta, weight, fused[0], rows, 30, hidden, 1e-5, scales, fused[1])
+        kernels.quantize_rows_e4m3(None, *separate, h, 30, hidden)
+        assert_same_codes(fused, separate)
+    else:
+        fused_h = poisoned_bf16((30, hidden))
+        kernels.add_rmsnorm(None, fused_residual, delta, weight, fused_h, rows, 30, hidden, 1e-5, scales)
+        np.testing.assert_array_equal(fused_h.get(), h.get())
+    np.testing.assert_array_equal(fused_residual.get(), separate_residual.get())
+
+
+def test_rope_and_cache_scales_w8a8_sums_back(cuda_context):
+    """rope_and_cache over a W8A8 QKV product's sums: bit for bit scale_rows_and_cols,
+    then rope_and_cache (q in place, k and v in the cache)."""
+    heads, kv_heads, D, tokens, slots_total = 32, 8, 64, 23, 208
+    kernels = kernels_for(heads // kv_heads, D)
+    positions, slots = i32(RNG.integers(0, 5000, tokens)), i32(RNG.permutation(slots_total)[:tokens])
+    cos_sin = cos_sin_table(kernels, llama3_inv_freq(D), 5000)
+    qkv, scales = w8a8_sums(tokens, (heads + 2 * kv_heads) * D)
+    runs = []
+    for fused in (True, False):
+        x = qkv.copy() if fused else scaled_back(kernels, qkv, scales)
+        caches = [poisoned_bf16(cache_shape(slots_total, kv_heads, D)) for _ in range(2)]
+        kernels.rope_and_cache(None, x, *caches, positions, slots, cos_sin, tokens, heads, kv_heads, BLOCK_SHIFT,
+                               qkv_scales=scales if fused else None)
+        runs.append([x.get()[:, : heads * D], *(cache.get() for cache in caches)])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("w8a8_gate_up", [False, True], ids=["bf16 gate_up", "W8A8 gate_up"])
+def test_silu_and_mul_e4m3_is_silu_and_mul_then_quantize_rows(kernels, w8a8_gate_up):
+    """silu_and_mul_e4m3: bit for bit silu_and_mul and quantize_rows_e4m3 in turn, over
+    bfloat16 gate/up values or a W8A8 product's sums (scale_rows_and_cols first); a row
+    of zeros takes scale 1."""
+    tokens, inter = 29, 8192
+    if w8a8_gate_up:
+        gate_up, scales = w8a8_sums(tokens, 2 * inter)
+        plain = scaled_back(kernels, gate_up, scales)
+    else:
+        values = RNG.standard_normal((tokens, 2 * inter)).astype(np.float32) * 3
+        values[4] = 0
+        gate_up, scales = up_bf16(values), None
+        plain = gate_up
+    fused, separate = empty_codes(tokens, inter), empty_codes(tokens, inter)
+    kernels.silu_and_mul_e4m3(None, *fused, gate_up, tokens, inter, scales)
+    act = poisoned_bf16((tokens, inter))
+    kernels.silu_and_mul(None, act, plain, tokens, inter)
+    kernels.quantize_rows_e4m3(None, *separate, act, tokens, inter)
+    assert_same_codes(fused, separate)
+
+
 @pytest.mark.parametrize("scales", ["per-row", "per-tensor"])
 @pytest.mark.parametrize("d_in, d_out, out_f32, scratch_rows", [(2048, 8192, False, 8192), (8192, 2048, False, 24),
                                                                 (2048, 50000, True, 16384)])
@@ -406,3 +496,26 @@ def test_quantized_model_matches_its_exact_model_as_bf16_does(llama_dir, tmp_pat
     assert err < 1.1 * max(got["bf16"][0], base["ours"][0]) + 1e-3
     assert agree >= min(got["bf16"][1], base["ours"][1]) - 0.15  # (two standard deviations of a 40-prompt rate)
     assert logprob < 1.5 * max(got["bf16"][2], base["ours"][2]) + 1e-3
+
+
+def test_w8a8_ends_in_the_kernels_around_each_product_equal_kernels_of_their_own(llama_dir, monkeypatch):
+    """An FP8-dynamic model's prompt steps, whose norms and SiLU quantize each W8A8
+    product's input and whose RoPE, SiLU and residual adds scale its sums back
+    (forward.LayerLaunches), give the logits bit for bit that the products computed
+    alone give (Linear: quantize_rows_e4m3 and scale_rows_and_cols around each)."""
+    from devtools.probes import our_logits
+    from devtools.quantized import fp8_model
+    from engine.backends.cuda.backend import CudaBackend
+    from engine.backends.cuda.linear import Linear
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.model_loader import load_model
+
+    model = fp8_model(load_model(llama_dir), dynamic_activations=True)
+    backend = CudaBackend(model.config, model.model_weights(), cuda_graphs=False)
+    engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=4096))
+    assert backend.linear.w8a8_plan(backend.kernels, backend.weights.layers[0]["qkv"], [(0, 300)]) is not None
+    prompts = [prompt_of(engine, n) for n in (33, 300, 1500)]
+    fused = [our_logits(engine, ids) for ids in prompts]
+    monkeypatch.setattr(Linear, "w8a8_plan", lambda self, kernels, w, tiles: None)
+    for ids, logits in zip(prompts, fused):
+        np.testing.assert_array_equal(our_logits(engine, ids), logits)

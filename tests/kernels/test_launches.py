@@ -185,9 +185,12 @@ def test_fp8_weights_run_their_own_kernels(model):
 
 def test_fp8_dynamic_weights_take_w8a8_products_past_the_skinny_gemm(model):
     """Weights whose checkpoint quantizes the activations too (FP8-dynamic): a prompt
-    step's products of more rows than the skinny GEMM takes quantize their rows,
-    multiply the codes by cuBLASLt's FP8 GEMM and scale the sums, instead of
-    dequantizing the weight; single-token steps are as plain FP8's."""
+    step's products of more rows than the skinny GEMM takes multiply e4m3 codes by
+    cuBLASLt's FP8 GEMM instead of dequantizing the weight. The kernels around each
+    product do its two ends: the norms and the SiLU write the codes (only the attention's
+    output takes quantize_rows_e4m3), and RoPE, the SiLU and the norms' residual adds
+    scale the sums back (only Qwen3's q/k norm takes them scaled by
+    scale_rows_and_cols). Single-token steps are as plain FP8's."""
     from devtools.quantized import fp8_fast
 
     def fp8(dynamic: bool):
@@ -198,7 +201,9 @@ def test_fp8_dynamic_weights_take_w8a8_products_past_the_skinny_gemm(model):
     requests = [(list(range(1, 100)), dict(GREEDY, max_tokens=3))]
     dynamic, plain = engine_steps(fp8(True), requests, cuda_graphs=False), engine_steps(fp8(False), requests, cuda_graphs=False)
     launched, layers = Counter(launch.kernel for launch in dynamic[0]), model.config.num_layers
-    assert [launched[k] for k in ("quantize_rows_e4m3", "cublasLtMatmul", "scale_rows_and_cols")] == [4 * layers] * 3
+    per_layer = {"cublasLtMatmul": 4, "quantize_rows_e4m3": 1, "silu_and_mul_e4m3": 1, "silu_and_mul": 0,
+                 "add_rmsnorm": 2, "scale_rows_and_cols": int(model.config.architecture == "qwen3")}
+    assert {k: launched[k] for k in per_layer} == {k: n * layers + (k == "add_rmsnorm") for k, n in per_layer.items()}
     assert "dequantize_fp8" not in launched and Counter(launch.kernel for launch in plain[0])["dequantize_fp8"] == 4 * layers
     assert [[launch.kernel for launch in step] for step in dynamic[1:]] == [[launch.kernel for launch in step] for step in plain[1:]]
 

@@ -45,6 +45,9 @@ class StepBuffers:
             "delta": ((rows, c.hidden_size), np.uint16),
             "gate_up": ((rows, 2 * c.intermediate_size), np.uint16),
             "act": ((rows, c.intermediate_size), np.uint16),
+            # the activation scales of W8A8 products, in turn (forward.LayerLaunches)
+            "row_scales": ((rows,), np.float32),
+            "other_row_scales": ((rows,), np.float32),
             "part_acc": ((partial, c.num_heads, P, c.head_dim), np.float32),
             "part_max": ((partial, c.num_heads, P), np.float32),
             "part_sum": ((partial, c.num_heads, P), np.float32),

@@ -33,6 +33,7 @@ FEWEST_ROW_LANES = {"bf16": 32, "fp8": 16, "int4": 32}  # the fewest lanes a row
 SAMPLE_CLUSTER, SAMPLE_THREADS = 8, 1024  # blocks a row and threads a block of sample_tokens (sampling.cu)
 STAGED_INPUT_BYTES = 47 * 1024  # gemv.cu's staged input: 48 KB a block takes without opting in, less its static shared memory
 ROW_THREADS = 256  # the block of the row-wise kernels (embedding, add_rmsnorm, silu_and_mul, apply_penalties)
+WIDE_ROW_THREADS = 512  # silu_and_mul_e4m3's block, a row of intermediate_size (8,192 at the 1B shape) each
 SKINNY_THREADS, SKINNY_ROWS, SKINNY_MAX_ROWS = 128, 64, 64  # skinny_gemm.cu's block, its rows of w, and of x at most
 SKINNY_X_OFFSET = {"bf16": 64, "fp8": 16}  # bytes a staged row of x takes past a multiple of 128 (skinny_gemm.cu)
 SKINNY_MAX_SHARED = 227 * 1024  # the shared memory a block may opt into (sm_90)
@@ -40,10 +41,10 @@ SKINNY_SPLITS = (1, 2, 4, 8)  # the cluster sizes skinny_gemm.cu is built for (i
 
 SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i int, f float)
     "embedding_gather": ("embedding.cu", "PPPPi"),
-    "add_rmsnorm": ("rmsnorm.cu", "PPPPPif"),
+    "add_rmsnorm": ("rmsnorm.cu", "PPPPPPPPif"),
     "head_rmsnorm": ("rmsnorm.cu", "PPPiif"),
     "rope_cos_sin": ("rope_cache.cu", "PPi"),
-    "rope_and_cache": ("rope_cache.cu", "PPPPPPiiiiff"),
+    "rope_and_cache": ("rope_cache.cu", "PPPPPPPPiiiiff"),
     **{name: ("attention.cu", "PPPPPPPPPiPPiiiiff") for name in ("paged_attention_partial", "paged_attention_partial_prefetch")},
     "paged_attention_merge": ("attention.cu", "PPPPPiif"),
     "prefill_attention_partial": ("attention.cu", "PPPPPPPPiPPPiiiiff"),
@@ -61,6 +62,7 @@ SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i in
     **{f"skinny_gemm_fp8_s{n}": ("skinny_gemm.cu", "PiPiPPiii") for n in SKINNY_SPLITS},
     "quantize_rows_e4m3": ("fp8_activations.cu", "PPPi"),
     "scale_rows_and_cols": ("fp8_activations.cu", "PiPPi"),
+    "silu_and_mul_e4m3": ("fp8_activations.cu", "PPPPPi"),
     "apply_penalties": ("sampling.cu", "PiiPPPPPPP"),
     "apply_token_bitmask": ("sampling.cu", "PPPii"),
     "sample_tokens": ("sampling.cu", "PPiPPPPPPP"),
@@ -233,6 +235,20 @@ class PagedAttention:
         return np.float32(self.scale * kv_scale.k), np.float32(kv_scale.v)
 
 
+@dataclass(frozen=True)
+class SumScales:
+    """What scales a W8A8 product's sums back (fp8_activations.cu): each token's
+    activation scale (`rows`, float32 [tokens]) and each weight row's (`cols`)."""
+
+    rows: Any
+    cols: Any
+
+    @staticmethod
+    def pointers(scales: "SumScales | None") -> tuple[np.uintp, np.uintp]:
+        """A kernel's (row_scales, col_scales) arguments: nulls where the sums are plain values."""
+        return (_NULL, _NULL) if scales is None else (ptr(scales.rows), ptr(scales.cols))
+
+
 class Kernels:
     """The kernels of cuda_src/, compiled for this device (HEAD_DIM and GROUP are
     compile-time constants, and so is the KV cache's element: bfloat16, or e4m3 codes
@@ -271,12 +287,15 @@ class Kernels:
             (tokens, 1), (ROW_THREADS, 1, 1), stream, ptr(residual), ptr(table), ptr(ids), ptr(sampled), np.int32(hidden))
 
     # -- rmsnorm.cu ---------------------------------------------------------------------
-    def add_rmsnorm(self, stream, residual, delta, weight, out, rows, num_rows: int, hidden: int, eps: float) -> None:
-        """residual[r] += delta[r] (unless delta is None), then out[i] = RMSNorm(residual[r])
-        for each r = rows[i] of the num_rows listed."""
+    def add_rmsnorm(self, stream, residual, delta, weight, out, rows, num_rows: int, hidden: int, eps: float,
+                    delta_scales: SumScales | None = None, out_scales=None) -> None:
+        """residual[r] += delta[r] (unless delta is None; a W8A8 product's sums scaled back
+        by `delta_scales`), then out[i] = RMSNorm(residual[r]) for each r = rows[i] of the
+        num_rows listed: bfloat16, or e4m3 codes a row with their scales in `out_scales`."""
         self.functions["add_rmsnorm"].prepared_async_call(
-            (num_rows, 1), (ROW_THREADS, 1, 1), stream, ptr(residual), ptr(delta), ptr(weight), ptr(out), ptr(rows),
-            np.int32(hidden), np.float32(eps))
+            (num_rows, 1), (ROW_THREADS, 1, 1), stream, ptr(residual), ptr(delta), *SumScales.pointers(delta_scales),
+            ptr(weight), ptr(out), ptr(out_scales), ptr(rows), np.int32(hidden), np.float32(eps),
+            shared_size=0 if out_scales is None else 2 * hidden)
 
     def head_rmsnorm(self, stream, qkv, q_weight, k_weight, tokens: int, heads: int, kv_heads: int, eps: float) -> None:
         """Each query and key head of the fused projection RMS-normalised in place (Qwen3)."""
@@ -292,12 +311,15 @@ class Kernels:
                                                            np.int32(half))
 
     def rope_and_cache(self, stream, qkv, k_cache, v_cache, positions, slots, cos_sin, tokens: int, heads: int,
-                       kv_heads: int, block_shift: int, kv_scale: KvScale = KvScale()) -> None:
+                       kv_heads: int, block_shift: int, kv_scale: KvScale = KvScale(),
+                       qkv_scales: SumScales | None = None) -> None:
         """q rotated in place; rotated k and plain v written to cache slot slots[t] (caches
-        of blocks of 2^block_shift slots: KvCache; an FP8 one over the layer's kv_scale)."""
+        of blocks of 2^block_shift slots: KvCache; an FP8 one over the layer's kv_scale).
+        With `qkv_scales`, qkv holds a W8A8 product's sums, scaled back as they are read."""
         threads = rope_and_cache_threads(heads, kv_heads, self.head_dim)
         self.functions["rope_and_cache"].prepared_async_call(
-            (tokens, 1), (threads, 1, 1), stream, ptr(qkv), ptr(k_cache), ptr(v_cache), ptr(positions), ptr(slots),
+            (tokens, 1), (threads, 1, 1), stream, ptr(qkv), *SumScales.pointers(qkv_scales), ptr(k_cache), ptr(v_cache),
+            ptr(positions), ptr(slots),
             ptr(cos_sin), np.int32(heads), np.int32(kv_heads), np.int32(self.head_dim), np.int32(block_shift),
             *kv_scale.inverses)  # (the bfloat16 build leaves them unread)
 
@@ -403,6 +425,14 @@ class Kernels:
         """codes[t] = e4m3(x[t] / scales[t]), scales[t] = max |x[t]| / 448: a block a row."""
         self.functions["quantize_rows_e4m3"].prepared_async_call(
             (rows, 1), (ROW_THREADS, 1, 1), stream, ptr(codes), ptr(scales), ptr(x), np.int32(d_in))
+
+    def silu_and_mul_e4m3(self, stream, codes, scales, gate_up, tokens: int, inter: int,
+                          gate_up_scales: SumScales | None = None) -> None:
+        """codes[t] = e4m3(silu(gate) * up / scales[t]) for gate_up = [gate | up] (a W8A8
+        product's sums scaled back by `gate_up_scales`), scales[t] = max |silu(gate) * up| / 448."""
+        self.functions["silu_and_mul_e4m3"].prepared_async_call(
+            (tokens, 1), (WIDE_ROW_THREADS, 1, 1), stream, ptr(codes), ptr(scales), ptr(gate_up),
+            *SumScales.pointers(gate_up_scales), np.int32(inter), shared_size=2 * inter)
 
     def scale_rows_and_cols(self, stream, y, row_scales, col_scales, rows: int, cols: int, y_f32: bool = False) -> None:
         """y[t, o] *= row_scales[t] * col_scales[o], y bfloat16 (float32 if y_f32)."""

@@ -12,7 +12,8 @@ bfloat16 (bench/fp8_gemm.py). Other tiles take cuBLAS in bfloat16: an FP8 or INT
 weight is first dequantized to bfloat16 into a scratch buffer (gemv.cu's dequantize_*),
 once per product whatever its tiles, in chunks of rows where it is larger than the
 buffer (the head). The W8A8 products quantize their rows into the same scratch, in
-chunks of the rows it holds. The skinny GEMM's limits are measured
+chunks of the rows it holds; where a step's layer is one such product, the kernels
+around it quantize and scale back instead (`w8a8_plan`, forward.py). The skinny GEMM's limits are measured
 (bench/skinny_gemm.py): at 64 rows it is behind dequantizing and cuBLAS, and for
 bfloat16 weights behind cuBLAS at every row count, as yet. The single-token fusions of
 forward.py (the GEMVs that also normalise, rotate or activate) exist in each format.
@@ -107,6 +108,22 @@ class Linear:
             for y_ptr, x_ptr, rows in gemm_tiles:  # (the chunk's columns of y, whose rows stay d_out wide)
                 self.blas.gemm(y_ptr + first * y.dtype.itemsize, y_type, x_ptr, DataType.BF16, int(self.scratch.gpudata),
                                DataType.BF16, rows, w.d_in, n, ldy=w.d_out)
+
+    def w8a8_plan(self, kernels: Kernels, w: LinearWeight, tiles: list[tuple[int, int]]) -> LtPlan | None:
+        """The plan of w's product over `tiles` where it is a single W8A8 product of the
+        codes its caller brings (`w8a8_codes`): one tile, of more rows than the skinny GEMM
+        takes, of an FP8-dynamic weight. None otherwise: then `__call__` computes it."""
+        if not (w.w8a8 and self.lt is not None and len(tiles) == 1):
+            return None
+        rows = tiles[0][1]
+        if rows == 1 or self._skinny(kernels, w, rows):
+            return None
+        return self._plan(GemmShape(rows, w.d_in, w.d_out, DataType.BF16, DataType.E4M3, DataType.E4M3))
+
+    def w8a8_codes(self, plan: LtPlan, y, codes, w: LinearWeight) -> None:
+        """y [rows, d_out] = codes [rows, d_in] @ w^T, the plan's product of e4m3 codes:
+        sums in bfloat16, to be scaled back by the codes' row scales and w.scale (SumScales)."""
+        self.lt.matmul(plan, 0, int(y.gpudata), int(codes.gpudata), int(w.data.gpudata))
 
     def _w8a8(self, kernels: Kernels, y_ptr: int, x_ptr: int, rows: int, w: LinearWeight, y_type: DataType) -> bool:
         """A tile's W8A8 product, in chunks of the rows the scratch holds (codes, then
