@@ -208,6 +208,27 @@ def test_fp8_dynamic_weights_take_w8a8_products_past_the_skinny_gemm(model):
     assert [[launch.kernel for launch in step] for step in dynamic[1:]] == [[launch.kernel for launch in step] for step in plain[1:]]
 
 
+def test_w8a8_inputs_too_wide_for_the_fused_kernels_are_quantized_on_their_own(model, monkeypatch):
+    """The norms and the SiLU that write a W8A8 product's codes hold a row in shared
+    memory: rows wider than it holds (here, as if it held less) are computed in bfloat16
+    and quantized by quantize_rows_e4m3."""
+    from devtools.quantized import fp8_model
+
+    quantized = fp8_model(model, dynamic_activations=True)
+    with recording_pycuda() as launches:
+        from engine.backends.cuda import forward
+        from engine.backends.cuda.backend import CudaBackend
+
+        monkeypatch.setattr(forward, "STAGED_INPUT_BYTES", 2 * model.config.hidden_size - 2)
+        engine = LLMEngine(quantized, CudaBackend(quantized.config, quantized.model_weights(), cuda_graphs=False),
+                           EngineConfig(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=256))
+        engine.add(engine.make_sequence("r", list(range(1, 100)), SamplingParams(**dict(GREEDY, max_tokens=1))))
+        engine.step()
+    launched, layers = Counter(launch.kernel for launch in launches), model.config.num_layers
+    assert {k: launched[k] for k in ("cublasLtMatmul", "quantize_rows_e4m3", "silu_and_mul", "silu_and_mul_e4m3")} == \
+        {"cublasLtMatmul": 4 * layers, "quantize_rows_e4m3": 4 * layers, "silu_and_mul": layers, "silu_and_mul_e4m3": 0}
+
+
 def test_w8a8_plans_are_kept_for_the_shapes_used_last(model):
     """Each W8A8 product's shape (its rows among them) takes a cuBLASLt plan: prompts of
     many lengths keep only the last MAX_PLANS, and still multiply W8A8."""

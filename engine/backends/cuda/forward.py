@@ -104,8 +104,10 @@ class LayerLaunches:
     quantize_rows_e4m3), and RoPE, SiLU or the next norm's residual add scales its sums
     back (_Sums). Codes take the place of the bfloat16 input they stand for: a norm's in
     h, the others in act (free from the down projection to the next SiLU, and 2 x
-    intermediate_size bytes a row); the row scales alternate between row_scales and
-    other_row_scales, each read by the kernel after the product that wrote the other."""
+    intermediate_size bytes a row), or in gate_up where quantize_rows_e4m3 reads act
+    itself (nothing reads gate_up again before the next gate/up product writes it). The
+    row scales alternate between row_scales and other_row_scales, each read by the
+    kernel after the product that wrote the other."""
 
     def __init__(self, forward: ForwardPass, kernels: Kernels, buffers: StepBuffers, shape: StepShape, fused: bool):
         self.fwd, self.k, self.b, self.shape, self.fused = forward, kernels, buffers, shape, fused
@@ -207,7 +209,7 @@ class LayerLaunches:
         """`value` computed as bfloat16, into `out` where it is a linear."""
         return self._plain(self._product(value, out))
 
-    def _product(self, value, out: gpuarray.GPUArray):
+    def _product(self, value, out: gpuarray.GPUArray) -> "gpuarray.GPUArray | _Sums":
         """`value` computed, into `out` where it is a linear: as _Sums where that is one
         W8A8 product (its input quantized by the kernel that computes it: _codes)."""
         if not isinstance(value, _Linear):
@@ -239,14 +241,16 @@ class LayerLaunches:
         c, st, tokens, b = self.c, self.st, self.shape.tokens, self.b
         scales, other = self.row_scales
         self.row_scales = other, scales
-        if isinstance(x, _Normed):
+        # (the fused kernels hold a row in shared memory: wider rows are quantized on their own)
+        if isinstance(x, _Normed) and 2 * c.hidden_size <= STAGED_INPUT_BYTES:
             return self._add_rmsnorm(x.weight, scales), scales
-        if isinstance(x, _Activated):
+        if isinstance(x, _Activated) and 2 * c.intermediate_size <= STAGED_INPUT_BYTES:
             gate_up = x.gate_up
             sum_scales = gate_up.scales if isinstance(gate_up, _Sums) else None
             self.k.silu_and_mul_e4m3(st, b.act, scales, gate_up.y if sum_scales else gate_up, tokens,
                                      c.intermediate_size, sum_scales)
             return b.act, scales
         x = self._plain(x)
-        self.k.quantize_rows_e4m3(st, b.act, scales, x, tokens, x.shape[1])
-        return b.act, scales
+        codes = b.gate_up if x is b.act else b.act  # (not over the rows it reads)
+        self.k.quantize_rows_e4m3(st, codes, scales, x, tokens, x.shape[1])
+        return codes, scales
