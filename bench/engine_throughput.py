@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--batch-invariant", action="store_true", help="GEMMs in fixed row tiles, as the server's flag")
     ap.add_argument("--format", choices=sorted(MODEL_FORMATS), default="bf16",
                     help="the layers' weights (devtools/quantized.py's MODEL_FORMATS): bfloat16, FP8 with a scale "
-                         "a row, the same with W8A8 steps, with 128x128 block scales, with the head too, or INT4")
+                         "a row, the same with W8A8 steps, with 128x128 block scales, with the head too (plain or W8A8), or INT4")
     ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="bfloat16 (auto) or FP8 e4m3 K/V")
     ap.add_argument("--kv-cache-gb", type=float, help="memory for the KV cache (default: room for every request)")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the transformers run")

@@ -200,5 +200,6 @@ MODEL_FORMATS: dict[str, Callable[[LoadedModel], LoadedModel]] = {
     "fp8-dynamic": lambda m: fp8_model(m, dynamic_activations=True),  # W8A8 steps, as FP8-dynamic checkpoints
     "fp8-blocks": lambda m: fp8_model(m, FP8_BLOCK),  # Hugging Face's fp8 checkpoints
     "fp8-head": lambda m: fp8_model(m, head=True),  # --quantize-lm-head: the tied head too
+    "fp8-dynamic-head": lambda m: fp8_model(m, head=True, dynamic_activations=True),  # W8A8 steps, the head too
     "int4": int4_model,  # groups of 128 with zero points, as AWQ and GPTQ checkpoints
 }
