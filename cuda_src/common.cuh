@@ -149,6 +149,20 @@ __device__ __forceinline__ uint2 pack_e4m3x8(const float* v, float scale) {
     return make_uint2(word[0], word[1]);
 }
 
+// ... the codes of a row a block computed into `stash` (shared, 8 bfloat16 values an
+// element), over the scale of its largest magnitude `amax` (this thread's share), each
+// thread storing the chunks it computed; returns the scale ...
+__device__ __forceinline__ float store_e4m3_row(uint8_t* __restrict__ codes, const uint4* stash, int width, float amax,
+                                                float* scratch) {
+    const float scale = e4m3_row_scale(block_max(amax, scratch));
+    for (int i = 8 * threadIdx.x; i < width; i += 8 * blockDim.x) {
+        float v[8];
+        unpack_bf16x8(stash[i / 8], v);
+        *reinterpret_cast<uint2*>(codes + i) = pack_e4m3x8(v, scale);
+    }
+    return scale;
+}
+
 // ... and its 8 sums y[t, o..o+7] come out in bfloat16, to be scaled back by the token's
 // scale and the weight rows' (col_scales + o): v[j] = bf16(v[j] * (row_scale * col_scales[j])).
 __device__ __forceinline__ void unscale_sums8(float* v, float row_scale, const float* col_scales) {

@@ -89,11 +89,6 @@ extern "C" __global__ void silu_and_mul_e4m3(uint8_t* __restrict__ codes, float*
         }
         activations[i / 8] = pack_bf16x8(a);
     }
-    const float scale = e4m3_row_scale(block_max(amax, scratch));  // (each thread reads back its own chunks)
-    for (int i = 8 * threadIdx.x; i < inter; i += 8 * blockDim.x) {
-        float a[8];
-        unpack_bf16x8(activations[i / 8], a);
-        *reinterpret_cast<uint2*>(codes + (size_t)blockIdx.x * inter + i) = pack_e4m3x8(a, scale);
-    }
+    const float scale = store_e4m3_row(codes + (size_t)blockIdx.x * inter, activations, inter, amax, scratch);
     if (threadIdx.x == 0) scales[blockIdx.x] = scale;
 }

@@ -62,11 +62,5 @@ __device__ __forceinline__ float quantize_row(const float* __restrict__ x, const
         for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
         stash[i / 8] = pack_bf16x8(v);
     }
-    const float scale = e4m3_row_scale(block_max(amax, scratch));  // (each thread reads back its own chunks)
-    for (int i = 8 * threadIdx.x; i < hidden; i += 8 * blockDim.x) {
-        float v[8];
-        unpack_bf16x8(stash[i / 8], v);
-        *reinterpret_cast<uint2*>(codes + i) = pack_e4m3x8(v, scale);
-    }
-    return scale;
+    return store_e4m3_row(codes, stash, hidden, amax, scratch);
 }

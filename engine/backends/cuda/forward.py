@@ -133,7 +133,7 @@ class LayerLaunches:
         return _Linear(x, weight)
 
     def head_rms_norm(self, qkv, q_weight: str, k_weight: str) -> gpuarray.GPUArray:
-        c, out = self.c, self._into(qkv, self.b.qkv)
+        c, out = self.c, self._plain(self._product(qkv, self.b.qkv))
         self.k.head_rmsnorm(self.st, out, self.w[q_weight], self.w[k_weight], self.shape.tokens, c.num_heads,
                             c.num_kv_heads, self.eps)
         return out
@@ -204,10 +204,6 @@ class LayerLaunches:
         self.k.add_rmsnorm(self.st, b.residual, delta, self.w[weight], b.h, self.m["all_rows"], self.shape.tokens,
                            self.c.hidden_size, self.eps, delta_scales, out_scales)
         return b.h
-
-    def _into(self, value, out: gpuarray.GPUArray) -> gpuarray.GPUArray:
-        """`value` computed as bfloat16, into `out` where it is a linear."""
-        return self._plain(self._product(value, out))
 
     def _product(self, value, out: gpuarray.GPUArray) -> "gpuarray.GPUArray | _Sums":
         """`value` computed, into `out` where it is a linear: as _Sums where that is one
