@@ -498,13 +498,17 @@ def test_quantized_model_matches_its_exact_model_as_bf16_does(llama_dir, tmp_pat
     assert logprob < 1.5 * max(got["bf16"][2], base["ours"][2]) + 1e-3
 
 
-def test_w8a8_ends_in_the_kernels_around_each_product_equal_kernels_of_their_own(llama_dir, monkeypatch):
+@pytest.mark.parametrize("staged", ["fits", "too_wide"])
+def test_w8a8_ends_in_the_kernels_around_each_product_equal_kernels_of_their_own(llama_dir, monkeypatch, staged):
     """An FP8-dynamic model's prompt steps, whose norms and SiLU quantize each W8A8
     product's input and whose RoPE, SiLU and residual adds scale its sums back
     (forward.LayerLaunches), give the logits bit for bit that the products computed
-    alone give (Linear: quantize_rows_e4m3 and scale_rows_and_cols around each)."""
+    alone give (Linear: quantize_rows_e4m3 and scale_rows_and_cols around each); so do
+    they where the rows are too wide for the fused kernels' shared memory (here, as if
+    it held less), which then leave the quantizing to quantize_rows_e4m3."""
     from devtools.probes import our_logits
     from devtools.quantized import fp8_model
+    from engine.backends.cuda import forward
     from engine.backends.cuda.backend import CudaBackend
     from engine.backends.cuda.linear import Linear
     from engine.llm_engine import EngineConfig, LLMEngine
@@ -515,6 +519,8 @@ def test_w8a8_ends_in_the_kernels_around_each_product_equal_kernels_of_their_own
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=4096))
     assert backend.linear.w8a8_plan(backend.kernels, backend.weights.layers[0]["qkv"], [(0, 300)]) is not None
     prompts = [prompt_of(engine, n) for n in (33, 300, 1500)]
+    if staged == "too_wide":
+        monkeypatch.setattr(forward, "STAGED_INPUT_BYTES", 2 * model.config.hidden_size - 2)
     fused = [our_logits(engine, ids) for ids in prompts]
     monkeypatch.setattr(Linear, "w8a8_plan", lambda self, kernels, w, tiles: None)
     for ids, logits in zip(prompts, fused):
