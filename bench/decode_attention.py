@@ -7,7 +7,7 @@ do): the K/V bytes it reads per second against the bandwidth floor, at the Llama
 cache), for a few batches and the engine's 512- and 128-position partitions (and 64,
 256 and 1024 for comparison: at small batches shorter partitions give more blocks and
 shorter chains of loads). `--kv-cache-dtype fp8` times the kernels built for an e4m3
-cache (half the bytes; each code widened to bfloat16 as it is read).
+cache (half the bytes; each code widened to float16 as it is read).
 
     python bench/decode_attention.py [--sources DIR] [--kv-cache-dtype auto|fp8]   # on a machine with an NVIDIA GPU
 

@@ -28,10 +28,11 @@
 // where the decode kernel runs it itself, in the block that finishes a token's
 // partitions last. Decode tokens and prompt tokens take different pass-1 kernels
 // (below); both run on tensor cores (mma.sync m16n8k16: bfloat16 in, float32
-// accumulate), round the probabilities to bfloat16 for P V (as transformers' eager
-// attention does), and visit a token's positions in an order fixed by its context
-// alone, so that its result does not depend on the rest of the batch. The numpy
-// backend's paged_attention is the oracle (tests/gpu/test_kernels.py).
+// accumulate; decode from an e4m3 cache float16 in, kv_cache.cuh says why), round the
+// probabilities to bfloat16 (float16) for P V (as transformers' eager attention does),
+// and visit a token's positions in an order fixed by its context alone, so that its
+// result does not depend on the rest of the batch. The numpy backend's paged_attention
+// is the oracle (tests/gpu/test_kernels.py).
 
 // Pass 2, one output element: sum_p acc_p * exp(max_p - M) / sum_p sum_p * exp(max_p - M),
 // M = max_p max_p, over the partitions that hold token t's positions 0..positions[t]:
@@ -261,6 +262,8 @@ __device__ __forceinline__ void decode_attention(
             qkv + (size_t)t * (heads + 2 * kv_heads) * HEAD_DIM + (size_t)(kvh * GROUP + g) * HEAD_DIM + q * QUARTER);
 #pragma unroll
         for (int i = 0; i < K_WORDS / 4; i++) reinterpret_cast<uint4*>(q_frag)[i] = __ldg(src + i);
+#pragma unroll
+        for (int i = 0; i < K_WORDS; i++) q_frag[i] = bf16x2_to_kv_pair(q_frag[i]);  // (as K's pairs: kv_cache.cuh)
     } else {
 #pragma unroll
         for (int i = 0; i < K_WORDS; i++) q_frag[i] = 0u;
@@ -288,7 +291,7 @@ __device__ __forceinline__ void decode_attention(
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
                 const uint32_t a[4] = {q_frag[2 * kk], 0u, q_frag[2 * kk + 1], 0u};
-                mma_bf16(s[i], a, f.k[i][2 * kk], f.k[i][2 * kk + 1]);
+                mma_kv(s[i], a, f.k[i][2 * kk], f.k[i][2 * kk + 1]);
             }
         }
         float p[4];  // positions chunk + 2q, 2q + 1, 2q + 8, 2q + 9
@@ -318,12 +321,12 @@ __device__ __forceinline__ void decode_attention(
             l_run += p[j];
         }
         // O^T += V^T P^T over the chunk's 16 positions: P^T's B fragment is row g of P
-        const uint32_t b0 = pack_bf16(p[0], p[1]), b1 = pack_bf16(p[2], p[3]);
+        const uint32_t b0 = pack_kv_pair(p[0], p[1]), b1 = pack_kv_pair(p[2], p[3]);
 #pragma unroll
         for (int mt = 0; mt < DIM_TILES; mt++) {  // V^T's A fragment: dims 2 mt (low halves), 2 mt + 1 (high)
             const uint32_t a[4] = {__byte_perm(f.v[0][mt], f.v[1][mt], 0x5410), __byte_perm(f.v[0][mt], f.v[1][mt], 0x7632),
                                    __byte_perm(f.v[2][mt], f.v[3][mt], 0x5410), __byte_perm(f.v[2][mt], f.v[3][mt], 0x7632)};
-            mma_bf16(o[mt], a, b0, b1);
+            mma_kv(o[mt], a, b0, b1);
         }
         if (PREFETCH) cur = next;
     }

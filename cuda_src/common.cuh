@@ -106,6 +106,14 @@ __device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The same with float16 in (mma_kv: kv_cache.cuh).
+__device__ __forceinline__ void mma_f16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Two float32 as one word of bfloat16 pairs, lo in the low half.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -116,6 +124,19 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // hardware's pairwise conversion.
 __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t codes) {
     return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes & 0xFFFF), __NV_E4M3)));
+}
+
+// The same as a word of two float16, exactly (every e4m3 value is a float16 value), in
+// one instruction (cvt.rn.f16x2.e4m3x2).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t codes) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes & 0xFFFF), __NV_E4M3);
+    return (uint32_t)h.x | (uint32_t)h.y << 16;
+}
+
+// Two float32 as one word of float16 pairs, lo in the low half, rounded to nearest.
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // The same as a word of two bfloat16 (exact: e4m3's 3 mantissa bits fit bfloat16's 7).

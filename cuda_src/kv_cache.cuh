@@ -2,8 +2,9 @@
 // and read it (attention.cu) see it: bfloat16, or, in the build with -DKV_CACHE_FP8
 // (--kv-cache-dtype fp8), half the bytes: the e4m3 code of the value times the
 // reciprocal of its layer's K or V scale (engine/quantization/kv_cache.py; 1 without
-// calibrated scales). Either way the attention kernels compute on bfloat16: an e4m3
-// code widens to bfloat16 exactly, and the scales are applied to the sums.
+// calibrated scales). Prompt attention computes on bfloat16 either way, and decode
+// attention on bfloat16 or, from e4m3 codes, on float16 (below): a code widens to
+// either exactly, and the scales are applied to the sums.
 #pragma once
 #include "common.cuh"
 
@@ -36,15 +37,38 @@ __device__ __forceinline__ void widen_e4m3x4(uint32_t codes, uint32_t& lo, uint3
     hi = e4m3x2_to_bf16x2(codes >> 16);
 }
 
-// The 32-bit words of codes that hold `words` words of bfloat16 pairs.
+// The 32-bit words of codes that hold `words` words of pairs.
 __host__ __device__ constexpr int kv_code_words(int words) { return words / 2; }
 
-// load_kv_codes' codes as `words` words of bfloat16 pairs.
+// Decode attention (attention.cu) multiplies the codes' values as float16, not bfloat16:
+// every e4m3 value is a float16 value, and a pair widens to float16 in one instruction
+// where bfloat16 takes four (through float32): 96 fewer a warp's 16-position chunk, for
+// 1-4% of the kernel's time (bench/HISTORY.md). Q and P go in as float16 with them: P,
+// in [0, 1], keeps 3 bits more than in bfloat16, and Q's bfloat16 values are float16
+// values where float16 reaches (its exponent's range is smaller: beyond 65504 they are
+// held to it).
+
+// load_kv_codes' codes as `words` words of the decode kernel's pairs (float16).
 template <int words>
 __device__ __forceinline__ void widen_kv_codes(uint32_t* dst, const uint32_t* codes) {
 #pragma unroll
-    for (int i = 0; i < words / 2; i++) widen_e4m3x4(codes[i], dst[2 * i], dst[2 * i + 1]);
+    for (int i = 0; i < words / 2; i++) {
+        dst[2 * i] = e4m3x2_to_f16x2(codes[i]);
+        dst[2 * i + 1] = e4m3x2_to_f16x2(codes[i] >> 16);
+    }
 }
+
+// A word of bfloat16 pairs (Q) as the decode kernel's pairs.
+__device__ __forceinline__ uint32_t bf16x2_to_kv_pair(uint32_t w) {
+    const float lo = __uint_as_float(w << 16), hi = __uint_as_float(w & 0xFFFF0000u);
+    return pack_f16(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
+}
+
+// Two float32 (P) as the decode kernel's pair.
+__device__ __forceinline__ uint32_t pack_kv_pair(float lo, float hi) { return pack_f16(lo, hi); }
+
+// d += a b in the decode kernel's pairs (an m16n8k16 tile: common.cuh's mma_bf16).
+__device__ __forceinline__ void mma_kv(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) { mma_f16(d, a, b0, b1); }
 #else
 typedef bf16 kv_t;
 
@@ -57,6 +81,12 @@ __device__ __forceinline__ void widen_kv_codes(uint32_t* dst, const uint32_t* co
 #pragma unroll
     for (int i = 0; i < words; i++) dst[i] = codes[i];
 }
+
+__device__ __forceinline__ uint32_t bf16x2_to_kv_pair(uint32_t w) { return w; }
+
+__device__ __forceinline__ uint32_t pack_kv_pair(float lo, float hi) { return pack_bf16(lo, hi); }
+
+__device__ __forceinline__ void mma_kv(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) { mma_bf16(d, a, b0, b1); }
 #endif
 
 // The codes of `words` words of bfloat16 pairs (2 * words values) from the cache at src

@@ -216,10 +216,12 @@ def test_fp8_cache_holds_the_bfloat16_cache_rounded_as_the_numpy_backend_rounds(
         assert (np.delete(codes, slots, axis=0) == E4M3_NAN).all(), "wrote outside the slot mapping"
 
 
-def test_e4m3_pairs_widen_to_bfloat16_exactly(cuda_context):
-    """e4m3x2_to_bf16x2 (common.cuh), which the FP8 cache's attention and the FP8 GEMMs
-    widen with, gives every finite code's value bit for bit, subnormals and both zeros
-    included, in either half of the word and whatever the other half holds."""
+@pytest.mark.parametrize("widening", ["e4m3x2_to_bf16x2", "e4m3x2_to_f16x2"])
+def test_e4m3_pairs_widen_exactly(cuda_context, widening):
+    """e4m3x2_to_bf16x2 (common.cuh), which prompt attention on an FP8 cache and the FP8
+    GEMMs widen with, and e4m3x2_to_f16x2, decode attention's, give every finite code's
+    value bit for bit, subnormals and both zeros included, in either half of the word
+    and whatever the other half holds."""
     import pycuda.driver as cuda
     from pycuda.compiler import SourceModule
 
@@ -230,16 +232,17 @@ def test_e4m3_pairs_widen_to_bfloat16_exactly(cuda_context):
         #include "common.cuh"
         extern "C" __global__ void widen(const uint32_t* codes, uint32_t* out, int n) {
             const int i = blockIdx.x * blockDim.x + threadIdx.x;
-            if (i < n) out[i] = e4m3x2_to_bf16x2(codes[i]);
-        }""", include_dirs=[str(CUDA_SRC)], no_extern_c=True, **nvcc_target(f"sm_{major}{minor}")).get_function("widen")
+            if (i < n) out[i] = WIDEN(codes[i]);
+        }""".replace("WIDEN", widening), include_dirs=[str(CUDA_SRC)], no_extern_c=True, **nvcc_target(f"sm_{major}{minor}")).get_function("widen")
     finite = np.flatnonzero(np.isfinite(E4M3)).astype(np.uint32)
     lo, hi = (a.ravel() for a in np.meshgrid(finite, finite))
     words = lo | hi << 8 | RNG.integers(0, 1 << 16, lo.size, dtype=np.uint32) << 16  # the upper codes are ignored
     out = gpuarray.to_gpu(np.zeros(words.size, np.uint32))
     widen(gpuarray.to_gpu(words), out, np.int32(words.size), block=(256, 1, 1), grid=(-(-words.size // 256), 1))
     got = out.get()
-    assert np.array_equal(got & 0xFFFF, f32_to_bf16_bits(e4m3_to_f32(lo.astype(np.uint8))))
-    assert np.array_equal(got >> 16, f32_to_bf16_bits(e4m3_to_f32(hi.astype(np.uint8))))
+    bits = f32_to_bf16_bits if widening == "e4m3x2_to_bf16x2" else lambda x: x.astype(np.float16).view(np.uint16)
+    assert np.array_equal(got & 0xFFFF, bits(e4m3_to_f32(lo.astype(np.uint8))))
+    assert np.array_equal(got >> 16, bits(e4m3_to_f32(hi.astype(np.uint8))))
 
 
 def merge_partial_results(kernels, out, attention: PagedAttention, positions: np.ndarray,
