@@ -228,12 +228,14 @@ def test_e4m3_pairs_widen_exactly(cuda_context, widening):
     from engine.backends.cuda.kernels import CUDA_SRC, nvcc_target
 
     major, minor = cuda.Context.get_device().compute_capability()
-    widen = SourceModule("""
+    source = """
         #include "common.cuh"
         extern "C" __global__ void widen(const uint32_t* codes, uint32_t* out, int n) {
             const int i = blockIdx.x * blockDim.x + threadIdx.x;
             if (i < n) out[i] = WIDEN(codes[i]);
-        }""".replace("WIDEN", widening), include_dirs=[str(CUDA_SRC)], no_extern_c=True, **nvcc_target(f"sm_{major}{minor}")).get_function("widen")
+        }""".replace("WIDEN", widening)
+    widen = SourceModule(source, include_dirs=[str(CUDA_SRC)], no_extern_c=True,
+                         **nvcc_target(f"sm_{major}{minor}")).get_function("widen")
     finite = np.flatnonzero(np.isfinite(E4M3)).astype(np.uint32)
     lo, hi = (a.ravel() for a in np.meshgrid(finite, finite))
     words = lo | hi << 8 | RNG.integers(0, 1 << 16, lo.size, dtype=np.uint32) << 16  # the upper codes are ignored
