@@ -5,7 +5,7 @@ INT4 kept INT4 on the GPU), random weights.
 
     python bench/engine_throughput.py [--model llama-3.2-1b|qwen3-0.6b] [--requests 256] [--batch-invariant]
                                       [--format bf16|fp8|fp8-dynamic|fp8-blocks|fp8-head|int4]
-                                      [--kv-cache-dtype auto|fp8] [--kv-cache-gb G]
+                                      [--kv-cache-dtype auto|fp8] [--kv-cache-gb G] [--block-size 16]
                                       [--no-transformers]   # NVIDIA GPU, torch
 
 By default the KV cache holds every request at once; `--kv-cache-gb` gives it that much
@@ -66,6 +66,7 @@ def main() -> None:
                          "a row, the same with W8A8 steps, with 128x128 block scales, with the head too (plain or W8A8), or INT4")
     ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="bfloat16 (auto) or FP8 e4m3 K/V")
     ap.add_argument("--kv-cache-gb", type=float, help="memory for the KV cache (default: room for every request)")
+    ap.add_argument("--block-size", type=int, default=16, help="positions a KV block (a power of two)")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the transformers run")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -76,12 +77,13 @@ def main() -> None:
     model = MODEL_FORMATS[args.format](load_model(tmp.name))
     backend = CudaBackend(model.config, model.model_weights(), batch_invariant=args.batch_invariant,
                           kv_cache_dtype=args.kv_cache_dtype, int4_weights=True)
-    blocks = int((prompt_lens + output_lens).sum() // 16 + 2 * args.requests)
+    blocks = int((prompt_lens + output_lens).sum() // args.block_size + 2 * args.requests)
     if args.kv_cache_gb:
-        blocks = int(args.kv_cache_gb * 1e9 // backend.kv_cache_bytes_per_block(16))
+        blocks = int(args.kv_cache_gb * 1e9 // backend.kv_cache_bytes_per_block(args.block_size))
     building = time.perf_counter()
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=blocks, max_num_seqs=args.requests,
-                                                    max_num_batched_tokens=args.max_num_batched_tokens))
+                                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                                    block_size=args.block_size))
     ready_s = time.perf_counter() - building  # the KV cache, and every decode graph captured
     warm = engine.make_sequence("warm", [1] * 64, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine.add(warm)
@@ -113,7 +115,8 @@ def main() -> None:
     theirs = f"{transformers_static_batch(tmp.name, prompts, output_lens):.0f}" if args.transformers else "-"
     tmp.cleanup()
     print(f"model: {args.model} shape, random weights, {args.format}, {backend.kv_cache_dtype} KV cache of {blocks} blocks "
-          f"({blocks * 16 / (prompt_lens + output_lens).mean():.0f} requests of the mean length at once)")
+          f"of {args.block_size} ({blocks * args.block_size / (prompt_lens + output_lens).mean():.0f} requests of the "
+          f"mean length at once)")
     print(f"{'requests':>8} | {'output tokens':>13} | {'steps':>6} | {'time (s)':>8} | {'output tok/s':>12} | "
           f"{'transformers tok/s':>18} | {'floor tok/s':>11}")
     print(f"{B:>8} | {generated:>13} | {steps:>6} | {elapsed:8.1f} | {generated / elapsed:12.0f} | {theirs:>18} | "

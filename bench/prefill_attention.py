@@ -2,9 +2,10 @@
 the step splits contexts into partitions), at the Llama 3.2 1B shape (32 query heads,
 8 KV heads, head_dim 64, 16-token blocks scattered over the cache): one sequence's
 prompt step of `tokens` new tokens after `cached` positions already in the cache, as
-the engine runs it (whole contexts from 4,096 prompt tokens on, else 512-position
-partitions, 128 for a tail of up to 64 tokens: step_metadata.attention_partition),
-and shorter prompts with whole contexts too, for comparison. It prints the causal
+the engine runs it (whole contexts from 4,096 prompt tokens on or where one partition
+holds the context, else 1,024-position partitions from 512 prompt tokens on, 512
+below, 128 for a tail of up to 64 tokens: step_metadata.attention_partition), and
+shorter prompts with whole contexts too, for comparison. It prints the causal
 FLOPs (QK^T and PV over the positions each token sees) per second against the H200's
 bfloat16 matmul rate, a layer's launch at a time; with --torch, the same shapes
 through PyTorch's scaled_dot_product_attention (its choice of kernel) on contiguous K and V
@@ -44,7 +45,7 @@ from engine.weights import f32_to_bf16_bits  # noqa: E402
 
 # (new tokens, positions cached before them): prompts of 1,024 and 2,048 tokens, a prefix
 # cache hit's 64-token tail, and the four 8,192-token chunks of a 32,768-token prompt.
-CASES = [(1024, 0), (2048, 0), (64, 1024), (8192, 0), (8192, 8192), (8192, 16384), (8192, 24576)]
+CASES = [(1024, 0), (2048, 0), (64, 1024), (256, 1024), (512, 2048), (8192, 0), (8192, 8192), (8192, 16384), (8192, 24576)]
 
 
 def causal_flops(tokens: int, cached: int) -> float:
@@ -91,7 +92,7 @@ def time_prefill(kernels: Kernels, spin, tokens: int, x: dict, whole: bool, part
         kernels.prefill_attention_partial(None, out if whole else None, attention, x["k"], x["v"], x["tiles"],
                                           x["num_tiles"])
         if not whole:
-            kernels.paged_attention_merge(None, out, attention, tokens)
+            kernels.paged_attention_merge(None, out, attention, tokens, 0)
     return time_launches(spin, launch), "whole contexts" if whole else f"{P} x {partition} + merge"
 
 
@@ -142,9 +143,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for tokens, cached in CASES:
         flops, x = causal_flops(tokens, cached), case_inputs(tokens, cached, kv_fp8, rng)
-        engine_whole = is_whole_context_prompt(tokens, invariant=False)
         # (the engine's way first; a short prompt's whole contexts too, for comparison)
         engine_partition = attention_partition(0, tokens, x["context"], invariant=False)
+        engine_whole = is_whole_context_prompt(tokens, invariant=False) or x["context"] <= engine_partition
         others = [(False, p) for p in other_partitions if p != engine_partition]
         engine_way = (engine_whole, engine_partition)
         ways = [engine_way] if engine_whole else [engine_way, *others, (True, engine_partition)]

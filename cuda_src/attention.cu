@@ -9,7 +9,7 @@
 #ifndef GROUP
 #define GROUP 4              // query heads per KV head
 #endif
-#define MAX_PART_BLOCKS 256  // KV blocks one partition may touch (checked by the host)
+#define MAX_PART_BLOCKS 512  // KV blocks one partition may touch (checked by the host)
 
 // Causal grouped-query attention over the paged KV cache, for decode and for
 // (chunked) prefill alike: query token t of sequence s at position p attends to
@@ -26,7 +26,7 @@
 // and sum; pass 2 (merge_partitions) rescales and sums the partitions. Pass 2 is a
 // kernel of its own (paged_attention_merge), except in decode steps of a few tokens,
 // where the decode kernel runs it itself, in the block that finishes a token's
-// partitions last. Decode tokens and prompt tokens take different pass-1 kernels
+// partitions last (and a decode token in one partition needs none). Decode tokens and prompt tokens take different pass-1 kernels
 // (below); both run on tensor cores (mma.sync m16n8k16: bfloat16 in, float32
 // accumulate; decode from an e4m3 cache float16 in, kv_cache.cuh says why), round the
 // probabilities to bfloat16 (float16) for P V (as transformers' eager attention does),
@@ -65,17 +65,18 @@ __device__ __forceinline__ float merge_partitions(const float* part_acc, const f
 // warp would (bench/RESULTS.md); where they are few, it loads the next one ahead
 // (PREFETCH, below). A warp's first chunk is loaded before the wait for the previous
 // kernel, where no kernel of the step writes it.
-// Given `arrivals`, pass 2 follows in the same launch: a token whose context fits one
-// partition stores its output directly (acc / sum, what the merge computes for one
-// partition), and otherwise each partition's block counts itself in arrivals[t, kvh]
-// once its partial results are written, and the last to arrive merges the token's
-// GROUP heads and resets the count to 0 for the next launch (so arrivals is zero
-// between launches). That block merges with all its threads (merge_in_block): a long
-// context has hundreds of partitions, and one thread an element walking them in turn
+// A token whose context fits one partition has nothing to merge: its block stores its
+// output directly (acc / sum, what the merge computes for one partition), and the merge
+// kernel passes it over. Given `arrivals`, pass 2 of the other tokens follows in the
+// same launch: each partition's block counts itself in arrivals[t, kvh] once its
+// partial results are written, and the last to arrive merges the token's GROUP heads
+// and resets the count to 0 for the next launch (so arrivals is zero between
+// launches). That block merges with all its threads (merge_in_block): a long context
+// has hundreds of partitions, and one thread an element walking them in turn
 // (merge_partitions) took 90 µs a layer at 32,768 positions. That saves a step of a
-// few tokens the merge kernel's launch; in a large step the fence and count lengthen every
-// block by more than the merge kernel takes, so there arrivals is null and
-// paged_attention_merge follows (engine/backends/cuda_backend.py).
+// few tokens the merge kernel's launch; in a large step the fence and count lengthen
+// every block by more than the merge kernel takes, so there arrivals is null and
+// paged_attention_merge follows (engine/backends/cuda/forward.py).
 //
 // Fragments are read with 16-byte loads by permuting the summed-over index, which
 // changes no sum: in S = Q K^T, lane quad q's k-step kk covers head dims
@@ -361,7 +362,7 @@ __device__ __forceinline__ void decode_attention(
                 l += l_s[w][h] * weight;
             }
         }
-        if (arrivals && spanned == 1) {
+        if (spanned == 1) {
             out[((size_t)t * heads + kvh * GROUP + h) * HEAD_DIM + d] = to_bf16(acc / l * v_scale);
             continue;
         }
@@ -709,7 +710,9 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
     }
 }
 
-// Pass 2: out[t, h, :] over the partitions token t's context spans (merge_partitions).
+// Pass 2: out[t, h, :] over the partitions token t's context spans (merge_partitions),
+// for the prompt rows and those of the first `decode_rows` (the decode kernel's) that
+// span several: the decode kernel stored the others' output itself.
 // A CUDA graph's launch covers its longest context (8 partitions at 4,096), and most
 // tokens span one or two. grid: (tokens, KV heads); block: (HEAD_DIM, query heads a KV
 // head): a block of HEAD_DIM threads a head made a 1,024-token prompt's merge 40 µs a
@@ -717,11 +720,12 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, PREFILL_MIN_BLOCKS
 extern "C" __global__ void paged_attention_merge(bf16* __restrict__ out, const float* __restrict__ part_acc,
                                                  const float* __restrict__ part_max,
                                                  const float* __restrict__ part_sum, const int* __restrict__ positions,
-                                                 int partition, int partitions, float v_scale) {
+                                                 int partition, int partitions, int decode_rows, float v_scale) {
     await_previous_kernel();
     const int t = blockIdx.x, h = blockIdx.y * blockDim.y + threadIdx.y, heads = gridDim.y * blockDim.y;
     const int d = threadIdx.x;
     const int spanned = min(partitions, positions[t] / partition + 1);
+    if (t < decode_rows && spanned == 1) return;  // the decode kernel stored it
     const float merged = merge_partitions(part_acc, part_max, part_sum, ((size_t)t * heads + h) * partitions, spanned, d);
     out[((size_t)t * heads + h) * HEAD_DIM + d] = to_bf16(merged * v_scale);
 }

@@ -20,7 +20,7 @@ import pycuda.gpuarray as gpuarray  # noqa: E402
 from engine.backends import numpy_backend as ref  # noqa: E402
 from engine.backends.cuda.cublas import Cublas, DataType  # noqa: E402
 from engine.backends.cuda.kernels import Kernels, PagedAttention, block_shift, prefill_query_rows, skinny_splits  # noqa: E402
-from engine.backends.cuda.step_metadata import PARTITION, SHORT_PARTITION  # noqa: E402
+from engine.backends.cuda.step_metadata import LARGE_PARTITION, PARTITION, SHORT_PARTITION  # noqa: E402
 from engine.quantization.fp8 import E4M3, e4m3_to_f32  # noqa: E402
 from engine.quantization.kv_cache import KvScale, load_e4m3, store_e4m3  # noqa: E402
 from engine.sampler import apply_penalties  # noqa: E402
@@ -247,10 +247,12 @@ def test_e4m3_pairs_widen_exactly(cuda_context, widening):
     assert np.array_equal(got >> 16, bits(e4m3_to_f32(hi.astype(np.uint8))))
 
 
-def merge_partial_results(kernels, out, attention: PagedAttention, positions: np.ndarray,
+def merge_partial_results(kernels, out, attention: PagedAttention, positions: np.ndarray, decode_rows: int,
                           kv_scale: KvScale = KvScale()) -> None:
     """paged_attention_merge over every token, after poisoning what pass 1 left in the
-    partitions past each token's context (the merge must not read it)."""
+    partitions past each token's context (the merge must not read it). Of the first
+    `decode_rows`, the decode kernel's, those in one partition have their output already
+    and no partial results (NaN): the merge must leave them be."""
     tokens, heads, partitions = attention.part_max.shape
     unspanned = np.arange(partitions)[None, None, :] >= (positions // attention.partition + 1)[:, None, None]
     unspanned = np.broadcast_to(unspanned, (tokens, heads, partitions))
@@ -258,14 +260,14 @@ def merge_partial_results(kernels, out, attention: PagedAttention, positions: np
         host = a.get()
         host[unspanned] = np.nan
         a.set(host)
-    kernels.paged_attention_merge(None, out, attention, tokens, kv_scale)
+    kernels.paged_attention_merge(None, out, attention, tokens, decode_rows, kv_scale)
 
 
 @pytest.mark.parametrize("kernel", ["decode merging itself", "decode loading ahead", "decode", "prefill",
                                     "prefill, whole contexts"])
 @pytest.mark.parametrize("heads, kv_heads, D", [(32, 8, 64), (9, 3, 64), (24, 8, 128)])  # Llama 3.2 1B, SmolLM2, 3B
 @pytest.mark.parametrize("block_size", [16, 8])
-@pytest.mark.parametrize("partition", [PARTITION, SHORT_PARTITION])
+@pytest.mark.parametrize("partition", [LARGE_PARTITION, PARTITION, SHORT_PARTITION])
 @pytest.mark.parametrize("kv", KV_CACHES)
 def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, partition, kv):
     """Decode tokens and prefill chunks of several sequences in one launch, over
@@ -326,10 +328,10 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
         if whole:
             assert np.isnan(part_max.get()).all(), "wrote partial results"
         else:
-            merge_partial_results(kernels, out, attention, positions, kv_scale)
+            merge_partial_results(kernels, out, attention, positions, 0, kv_scale)
     else:
         kernels.paged_attention_partial(None, out, None, attention, kc, vc, tokens, kv_scale=kv_scale)
-        merge_partial_results(kernels, out, attention, positions, kv_scale)
+        merge_partial_results(kernels, out, attention, positions, tokens, kv_scale)
     got = down_bf16(out)
     q = bf16(qkv)[:, : heads * D].reshape(tokens, heads, D)
     start = 0

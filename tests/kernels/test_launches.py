@@ -101,10 +101,12 @@ def test_a_step_of_thousands_of_prompt_tokens_takes_whole_contexts(model):
     assert len(prefill) == model.config.num_layers
     assert all(launch.args[0] == "P" and launch.grid[2] == 1 for launch in prefill)
     assert [launch.grid[0] for launch in merges] == [1] * model.config.num_layers
+    assert [launch.args[-2] for launch in merges] == [1] * model.config.num_layers  # (decode_rows: the one decode)
     prefill, merges = attention(steps[2])  # the rest of the prompts beside three decodes
     tokens = next(launch.grid[0] for launch in steps[2] if launch.kernel == "embedding_gather")
     assert prefill and all(launch.args[0] == 0 for launch in prefill)
     assert [launch.grid[0] for launch in merges] == [tokens] * model.config.num_layers and tokens > 3
+    assert [launch.args[-2] for launch in merges] == [3] * model.config.num_layers
 
 
 def test_decodes_of_a_few_tokens_in_long_contexts_load_ahead(model):
@@ -282,6 +284,7 @@ def test_an_fp8_caches_calibrated_scales_reach_each_layers_writes_and_reads(mode
     reciprocals: rope_and_cache, or the fused GEMV of a one-token step) and that read it
     (the softmax's scale times K's, and V's: both attention kernels and the merge).
     Steps of prompt chunks, of prompt and decode rows, and of one decode row."""
+    from engine.backends.cuda.step_metadata import LARGE_PARTITION
     from engine.quantization.kv_cache import KvScale
 
     c = model.config
@@ -290,7 +293,8 @@ def test_an_fp8_caches_calibrated_scales_reach_each_layers_writes_and_reads(mode
     for i, scale in enumerate(scales):
         weights[f"model.layers.{i}.self_attn.k_scale"] = Tensor.of(np.array(scale.k, np.float32))
         weights[f"model.layers.{i}.self_attn.v_scale"] = Tensor.of(np.array(scale.v, np.float32))
-    requests = [(list(range(1, 300)), dict(GREEDY, max_tokens=3)), (list(range(5, 9)), dict(GREEDY, max_tokens=3))]
+    long_prompt = [i % 300 + 1 for i in range(LARGE_PARTITION + 100)]  # (two partitions: the merge runs)
+    requests = [(long_prompt, dict(GREEDY, max_tokens=3)), (list(range(5, 9)), dict(GREEDY, max_tokens=3))]
     steps = engine_steps(dataclasses.replace(model, weights=weights), requests, cuda_graphs=False, kv_cache_dtype="fp8")
     softmax = c.head_dim ** -0.5
     where = {  # kernel: (the slice of its arguments, what layer i passes there)

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.backends.cuda.step_metadata import (
-    FIELDS, GENERATED_TILE, PARTITION, PROMPT_TILE, SHORT_CONTEXT, SHORT_PARTITION, SMALL_DECODE, SMALL_PROMPT,
-    WHOLE_CONTEXT_PROMPT, StepShape, attention_partition, is_whole_context_prompt,
+    FIELDS, GENERATED_TILE, LARGE_PARTITION, LARGE_PROMPT, PARTITION, PROMPT_TILE, SHORT_CONTEXT, SHORT_PARTITION,
+    SMALL_DECODE, SMALL_PROMPT, WHOLE_CONTEXT_PROMPT, StepShape, attention_partition, is_whole_context_prompt,
     build_metadata, decode_shape, field_sizes, prompt_shape, step_shape,
 )
 from engine.sampling_params import SamplingParams
@@ -141,16 +141,20 @@ def test_attention_partitions_cover_the_longest_context(batch, invariant):
     assert (shape.partitions - 1) * shape.partition < longest <= shape.partitions * shape.partition
 
 
-def test_steps_bound_by_latency_take_short_partitions_unless_invariant():
+def test_steps_bound_by_latency_take_short_partitions_and_large_ones_long_unless_invariant():
     """More blocks for a decode step of a few tokens (whose decode kernel merges them
     itself) and for a short prompt step (a prompt's tail past a cached prefix), in a
-    short context; one size where a token's sums must not depend on its batch, and for
-    the other steps."""
+    short context; fewer partitions to merge in a large step; one size where a token's
+    sums must not depend on its batch, and for the other steps."""
     assert attention_partition(1, 0, 100, invariant=False) == attention_partition(SMALL_DECODE, 0, 100, False) == SHORT_PARTITION
-    assert attention_partition(SMALL_DECODE + 1, 0, 100, invariant=False) == PARTITION
+    assert attention_partition(SMALL_DECODE + 1, 0, 100, invariant=False) == LARGE_PARTITION
+    assert attention_partition(SMALL_DECODE + 1, 0, 32768, invariant=False) == LARGE_PARTITION
+    assert attention_partition(SMALL_DECODE + 1, 0, 100, invariant=True) == PARTITION
     assert attention_partition(1, 0, 100, invariant=True) == PARTITION
     assert attention_partition(0, SMALL_PROMPT, SHORT_CONTEXT, invariant=False) == SHORT_PARTITION
     assert attention_partition(0, SMALL_PROMPT + 1, 100, invariant=False) == PARTITION
+    assert attention_partition(0, LARGE_PROMPT, 100, invariant=False) == LARGE_PARTITION
+    assert attention_partition(3, LARGE_PROMPT, 100, invariant=False) == LARGE_PARTITION
     assert attention_partition(0, 5, SHORT_CONTEXT + 1, invariant=False) == PARTITION
     assert attention_partition(1, 0, SHORT_CONTEXT + 1, invariant=False) == PARTITION  # (a long context's decode)
     assert attention_partition(1, 5, 100, invariant=False) == PARTITION  # (a mixed step)
@@ -162,6 +166,24 @@ def test_steps_bound_by_latency_take_short_partitions_unless_invariant():
     tail = prompt_shape(SMALL_PROMPT, max_blocks=256, max_context=4096, query_rows=QUERY_ROWS, invariant=False)
     assert (tail.partition, tail.partitions, tail.small_decode) == (SHORT_PARTITION, 4096 // SHORT_PARTITION, False)
     assert prompt_shape(2 * SMALL_PROMPT, 256, 4096, QUERY_ROWS, invariant=False).partition == PARTITION
+    assert prompt_shape(LARGE_PROMPT, 256, 4096, QUERY_ROWS, invariant=False).partition == LARGE_PARTITION
+    assert decode_shape(SMALL_DECODE + 1, 256, 4096, invariant=False).partition == LARGE_PARTITION
+
+
+def test_a_step_whose_contexts_fit_one_partition_merges_nothing():
+    """Where one partition holds every context, the decode kernel stores each decode
+    row's output, the prefill kernel each prompt row's (as for a whole-context prompt),
+    and no merge kernel runs; past it, the merge kernel runs over the partial rows."""
+    one = decode_shape(SMALL_DECODE + 1, 256, LARGE_PARTITION, invariant=False)
+    assert one.partitions == 1 and not one.merge
+    two = decode_shape(SMALL_DECODE + 1, 256, LARGE_PARTITION + 1, invariant=False)
+    assert two.partitions == 2 and two.merge and two.partial_rows == SMALL_DECODE + 1
+    prompt = prompt_shape(LARGE_PROMPT, 256, LARGE_PARTITION, QUERY_ROWS, invariant=False)
+    assert prompt.whole_context_prompt and not prompt.merge
+    longer = prompt_shape(LARGE_PROMPT, 256, LARGE_PARTITION + 1, QUERY_ROWS, invariant=False)
+    assert not longer.whole_context_prompt and longer.merge
+    assert not decode_shape(1, 256, 4096, invariant=False).merge  # (a small decode merges in its decode kernel)
+    assert decode_shape(1, 256, 4096, invariant=True).merge
 
 
 def test_only_steps_of_thousands_of_prompt_tokens_take_whole_contexts():

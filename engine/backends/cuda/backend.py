@@ -25,7 +25,7 @@ from engine.backends.cuda.forward import ForwardPass
 from engine.backends.cuda.kernels import MAX_PART_BLOCKS, Kernels, prefill_query_rows
 from engine.backends.cuda.linear import Linear
 from engine.backends.cuda.sampler import GpuSampler
-from engine.backends.cuda.step_metadata import PARTITION, SMALL_DECODE, StepShape, build_metadata, step_shape
+from engine.backends.cuda.step_metadata import LARGE_PARTITION, SMALL_DECODE, StepShape, build_metadata, step_shape
 from engine.backends.cuda.weights import DeviceWeights
 from engine.config import ModelConfig
 from engine.quantization.kv_cache import cache_scales
@@ -39,7 +39,7 @@ WORKSPACE_BYTES = 32 * 2**20
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # kept free for activations and logits
 # The smallest block size (a power of two) of which a partition's blocks fit the
 # attention kernels' table (MAX_PART_BLOCKS, with one block each side of it).
-MIN_BLOCK_SIZE = 1 << (-(-PARTITION // (MAX_PART_BLOCKS - 2)) - 1).bit_length()
+MIN_BLOCK_SIZE = 1 << (-(-LARGE_PARTITION // (MAX_PART_BLOCKS - 2)) - 1).bit_length()
 
 
 def kv_cache_budget(fraction: float, total: int, free: int, ours: int) -> float:

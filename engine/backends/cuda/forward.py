@@ -154,9 +154,11 @@ class LayerLaunches:
     def attention(self, qkv: gpuarray.GPUArray) -> gpuarray.GPUArray:
         """Partial results per context partition, for decode rows (and the padding between
         the segments) from the decode kernel and for prompt rows from the prefill kernel,
-        then the merge kernel over those rows; in a small decode step the decode kernel
-        merges them itself (step_metadata.is_small_decode), and a whole-context prompt's
-        rows get their output from the prefill kernel (step_metadata.is_whole_context_prompt)."""
+        then the merge kernel over those rows (StepShape.merge). A decode row whose context
+        fits one partition gets its output from the decode kernel, in a small decode step
+        the decode kernel merges the others itself (step_metadata.is_small_decode), and a
+        whole-context prompt's rows get theirs from the prefill kernel
+        (StepShape.whole_context_prompt)."""
         k, st, shape, a, b, kv_scale = self.k, self.st, self.shape, self.attention_inputs, self.b, self.kv_scale
         decode_rows = shape.tokens - shape.prompt
         if decode_rows:
@@ -167,8 +169,8 @@ class LayerLaunches:
             out = b.attn if shape.whole_context_prompt else None
             k.prefill_attention_partial(st, out, a, self.kc, self.vc, self.m["prompt_tiles"], shape.prompt_tiles,
                                         kv_scale)
-        if not shape.small_decode and shape.partial_rows:
-            k.paged_attention_merge(st, b.attn, a, shape.partial_rows, kv_scale)
+        if shape.merge:
+            k.paged_attention_merge(st, b.attn, a, shape.partial_rows, decode_rows, kv_scale)
         return b.attn
 
     def silu_and_mul(self, gate_up) -> gpuarray.GPUArray:

@@ -23,7 +23,7 @@ from engine.quantization.kv_cache import KvScale
 CUDA_SRC = Path(__file__).resolve().parents[3] / "cuda_src"
 ATTENTION_THREADS = 128  # WARPS * 32 in attention.cu
 PREFILL_THREADS, PREFILL_M_TILE = 256, 128  # as in attention.cu
-MAX_PART_BLOCKS = 256  # as in attention.cu
+MAX_PART_BLOCKS = 512  # as in attention.cu
 WHOLE_CONTEXT = 2**30  # a partition longer than any context
 GEMV_WARPS = 8  # as in gemv.cu
 GEMV_UNROLL = 8  # a lane's 16-byte loads in flight (UNROLL in gemv.cu)
@@ -46,7 +46,7 @@ SIGNATURES = {  # kernel: (source file, PyCUDA's argument types: P pointer, i in
     "rope_cos_sin": ("rope_cache.cu", "PPi"),
     "rope_and_cache": ("rope_cache.cu", "PPPPPPPPiiiiff"),
     **{name: ("attention.cu", "PPPPPPPPPiPPiiiiff") for name in ("paged_attention_partial", "paged_attention_partial_prefetch")},
-    "paged_attention_merge": ("attention.cu", "PPPPPiif"),
+    "paged_attention_merge": ("attention.cu", "PPPPPiiif"),
     "prefill_attention_partial": ("attention.cu", "PPPPPPPPiPPPiiiiff"),
     "silu_and_mul": ("activation.cu", "PPi"),
     "gemv": ("gemv.cu", "PiPPii"),
@@ -345,14 +345,16 @@ class Kernels:
             (num_tiles, attention.kv_heads, partitions), (PREFILL_THREADS, 1, 1), stream, ptr(out),
             *attention.inputs(k_cache, v_cache), ptr(tiles), *sizes, *attention.scales(kv_scale))
 
-    def paged_attention_merge(self, stream, out, attention: PagedAttention, tokens: int,
+    def paged_attention_merge(self, stream, out, attention: PagedAttention, tokens: int, decode_rows: int,
                               kv_scale: KvScale = KvScale()) -> None:
         """out[t, h] = the partial results of the partitions token t's context spans, merged
-        (times the layer's V cache scale)."""
+        (times the layer's V cache scale), for t < `tokens`; of the first `decode_rows`
+        (paged_attention_partial's) only those that span several partitions: the decode
+        kernel stored the others."""
         a = attention
         self.functions["paged_attention_merge"].prepared_async_call(
             (tokens, a.kv_heads), (self.head_dim, a.heads // a.kv_heads, 1), stream, ptr(out), *a.results, ptr(a.positions),
-            np.int32(a.partition), np.int32(a.partitions), np.float32(kv_scale.v))
+            np.int32(a.partition), np.int32(a.partitions), np.int32(decode_rows), np.float32(kv_scale.v))
 
     # -- activation.cu ------------------------------------------------------------------
     def silu_and_mul(self, stream, out, gate_up, tokens: int, inter: int) -> None:

@@ -18,7 +18,8 @@ In either layout, generated rows go through the decode attention kernel
 (prefill_attention_partial), in query tiles of up to `query_rows` consecutive rows of
 one sequence; both split contexts into partitions whose partial results a merge
 kernel combines, except in a step of thousands of prompt tokens, whose prompt rows
-take their whole contexts at once (is_whole_context_prompt).
+take their whole contexts at once (is_whole_context_prompt), and for the tokens whose
+context fits one partition, whose output the kernels store (StepShape.merge).
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ from engine.sequence import Sequence
 GENERATED_TILE = 64  # at 64 rows a bf16 GEMM is still bound by reading the weights
 PROMPT_TILE = 256
 PARTITION = 512  # context positions per attention partition (a thread block of the attention kernels each)
+LARGE_PARTITION = 1024  # the partitions of large steps: fewer to merge, and most contexts in one
 SHORT_PARTITION = 128  # the partitions of steps bound by latency: 4 times the blocks
 SMALL_DECODE = 8  # decode steps of up to this many tokens take short partitions,
 SMALL_PROMPT = 64  # and so do prompt steps of up to this many (a prompt's tail past a cached prefix),
 # in contexts of up to SHORT_CONTEXT. Past it, whole partitions already give the SMs
 # blocks enough, and short ones would multiply the partial results to write and merge.
 SHORT_CONTEXT = 4096
+LARGE_PROMPT = 512  # prompt steps of at least this many tokens take long partitions (attention_partition)
 WHOLE_CONTEXT_PROMPT = 4096  # prompt steps of at least this many tokens: one partition a context (is_whole_context_prompt)
 
 
@@ -77,8 +80,16 @@ class StepShape:
 
     @property
     def whole_context_prompt(self) -> bool:
-        """Prompt rows whose attention takes whole contexts, with no merge (is_whole_context_prompt)."""
-        return is_whole_context_prompt(self.prompt, self.invariant)
+        """Prompt rows whose attention takes whole contexts, with no merge: in a step of
+        thousands of prompt tokens (is_whole_context_prompt), or where one partition holds
+        every context (the same sums)."""
+        return self.partitions == 1 or is_whole_context_prompt(self.prompt, self.invariant)
+
+    @property
+    def merge(self) -> bool:
+        """Whether the merge kernel runs: not in a small decode step, whose decode kernel
+        merges itself, nor where one partition holds every context (nothing to merge)."""
+        return not self.small_decode and self.partitions > 1 and self.partial_rows > 0
 
     @property
     def partial_rows(self) -> int:
@@ -143,13 +154,21 @@ def is_small_decode(generated: int, prompt: int, invariant: bool) -> bool:
 
 def attention_partition(generated: int, prompt: int, context: int, invariant: bool) -> int:
     """Context positions per attention partition of a step whose longest context is
-    `context`. A step bound by latency (a small decode or a short prompt step) in a
-    short context takes short ones, so that its attention spreads over more thread
-    blocks, each with a shorter chain of loads (bench/decode_attention.py). With batch
-    invariance every step takes the same size, since a token's sums depend on its
-    partitions."""
+    `context`. A large step (more than a small decode's tokens, or LARGE_PROMPT prompt
+    tokens) takes long ones: its blocks fill the GPU anyway, and the offline
+    workload's contexts then mostly fit one, whose output the attention kernels store
+    with nothing to merge (bench/decode_attention.py, bench/prefill_attention.py; a
+    prompt step of 256 tokens after 1,024 cached still gains from 512-position ones).
+    A step bound by latency (a small decode or a short prompt step) in a short context
+    takes short ones, so that its attention spreads over more thread blocks, each with
+    a shorter chain of loads. With batch invariance every step takes the same size,
+    since a token's sums depend on its partitions."""
+    if invariant:
+        return PARTITION
+    if generated > SMALL_DECODE or prompt >= LARGE_PROMPT:
+        return LARGE_PARTITION
     small_prompt = not generated and prompt <= SMALL_PROMPT
-    if not invariant and context <= SHORT_CONTEXT and (is_small_decode(generated, prompt, invariant) or small_prompt):
+    if context <= SHORT_CONTEXT and (is_small_decode(generated, prompt, invariant) or small_prompt):
         return SHORT_PARTITION
     return PARTITION
 
