@@ -3,9 +3,9 @@ the step splits contexts into partitions), at the Llama 3.2 1B shape (32 query h
 8 KV heads, head_dim 64, 16-token blocks scattered over the cache): one sequence's
 prompt step of `tokens` new tokens after `cached` positions already in the cache, as
 the engine runs it (whole contexts from 4,096 prompt tokens on or where one partition
-holds the context, else 1,024-position partitions from 512 prompt tokens on, 512
-below, 128 for a tail of up to 64 tokens: step_metadata.attention_partition), and
-shorter prompts with whole contexts too, for comparison. It prints the causal
+holds the context, else 512-position partitions, 128 for a tail of up to 64 tokens:
+step_metadata.attention_partition), and shorter prompts with whole contexts too, for
+comparison. It prints the causal
 FLOPs (QK^T and PV over the positions each token sees) per second against the H200's
 bfloat16 matmul rate, a layer's launch at a time; with --torch, the same shapes
 through PyTorch's scaled_dot_product_attention (its choice of kernel) on contiguous K and V

@@ -284,7 +284,7 @@ def test_an_fp8_caches_calibrated_scales_reach_each_layers_writes_and_reads(mode
     reciprocals: rope_and_cache, or the fused GEMV of a one-token step) and that read it
     (the softmax's scale times K's, and V's: both attention kernels and the merge).
     Steps of prompt chunks, of prompt and decode rows, and of one decode row."""
-    from engine.backends.cuda.step_metadata import LARGE_PARTITION
+    from engine.backends.cuda.step_metadata import PARTITION
     from engine.quantization.kv_cache import KvScale
 
     c = model.config
@@ -293,7 +293,7 @@ def test_an_fp8_caches_calibrated_scales_reach_each_layers_writes_and_reads(mode
     for i, scale in enumerate(scales):
         weights[f"model.layers.{i}.self_attn.k_scale"] = Tensor.of(np.array(scale.k, np.float32))
         weights[f"model.layers.{i}.self_attn.v_scale"] = Tensor.of(np.array(scale.v, np.float32))
-    long_prompt = [i % 300 + 1 for i in range(LARGE_PARTITION + 100)]  # (two partitions: the merge runs)
+    long_prompt = [i % 300 + 1 for i in range(PARTITION + 100)]  # (two partitions: the merge runs)
     requests = [(long_prompt, dict(GREEDY, max_tokens=3)), (list(range(5, 9)), dict(GREEDY, max_tokens=3))]
     steps = engine_steps(dataclasses.replace(model, weights=weights), requests, cuda_graphs=False, kv_cache_dtype="fp8")
     softmax = c.head_dim ** -0.5

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.backends.cuda.step_metadata import (
-    FIELDS, GENERATED_TILE, LARGE_PARTITION, LARGE_PROMPT, PARTITION, PROMPT_TILE, SHORT_CONTEXT, SHORT_PARTITION,
+    FIELDS, GENERATED_TILE, LARGE_PARTITION, PARTITION, PROMPT_TILE, SHORT_CONTEXT, SHORT_PARTITION,
     SMALL_DECODE, SMALL_PROMPT, WHOLE_CONTEXT_PROMPT, StepShape, attention_partition, is_whole_context_prompt,
     build_metadata, decode_shape, field_sizes, prompt_shape, step_shape,
 )
@@ -144,8 +144,8 @@ def test_attention_partitions_cover_the_longest_context(batch, invariant):
 def test_steps_bound_by_latency_take_short_partitions_and_large_ones_long_unless_invariant():
     """More blocks for a decode step of a few tokens (whose decode kernel merges them
     itself) and for a short prompt step (a prompt's tail past a cached prefix), in a
-    short context; fewer partitions to merge in a large step; one size where a token's
-    sums must not depend on its batch, and for the other steps."""
+    short context; fewer partitions to merge in a large decode step; one size where a
+    token's sums must not depend on its batch, and for the other steps."""
     assert attention_partition(1, 0, 100, invariant=False) == attention_partition(SMALL_DECODE, 0, 100, False) == SHORT_PARTITION
     assert attention_partition(SMALL_DECODE + 1, 0, 100, invariant=False) == LARGE_PARTITION
     assert attention_partition(SMALL_DECODE + 1, 0, 32768, invariant=False) == LARGE_PARTITION
@@ -153,8 +153,8 @@ def test_steps_bound_by_latency_take_short_partitions_and_large_ones_long_unless
     assert attention_partition(1, 0, 100, invariant=True) == PARTITION
     assert attention_partition(0, SMALL_PROMPT, SHORT_CONTEXT, invariant=False) == SHORT_PARTITION
     assert attention_partition(0, SMALL_PROMPT + 1, 100, invariant=False) == PARTITION
-    assert attention_partition(0, LARGE_PROMPT, 100, invariant=False) == LARGE_PARTITION
-    assert attention_partition(3, LARGE_PROMPT, 100, invariant=False) == LARGE_PARTITION
+    assert attention_partition(0, 2048, 2048, invariant=False) == PARTITION  # (a prompt's sums as they were)
+    assert attention_partition(SMALL_DECODE + 1, 2048, 2048, invariant=False) == LARGE_PARTITION
     assert attention_partition(0, 5, SHORT_CONTEXT + 1, invariant=False) == PARTITION
     assert attention_partition(1, 0, SHORT_CONTEXT + 1, invariant=False) == PARTITION  # (a long context's decode)
     assert attention_partition(1, 5, 100, invariant=False) == PARTITION  # (a mixed step)
@@ -166,7 +166,6 @@ def test_steps_bound_by_latency_take_short_partitions_and_large_ones_long_unless
     tail = prompt_shape(SMALL_PROMPT, max_blocks=256, max_context=4096, query_rows=QUERY_ROWS, invariant=False)
     assert (tail.partition, tail.partitions, tail.small_decode) == (SHORT_PARTITION, 4096 // SHORT_PARTITION, False)
     assert prompt_shape(2 * SMALL_PROMPT, 256, 4096, QUERY_ROWS, invariant=False).partition == PARTITION
-    assert prompt_shape(LARGE_PROMPT, 256, 4096, QUERY_ROWS, invariant=False).partition == LARGE_PARTITION
     assert decode_shape(SMALL_DECODE + 1, 256, 4096, invariant=False).partition == LARGE_PARTITION
 
 
@@ -178,9 +177,9 @@ def test_a_step_whose_contexts_fit_one_partition_merges_nothing():
     assert one.partitions == 1 and not one.merge
     two = decode_shape(SMALL_DECODE + 1, 256, LARGE_PARTITION + 1, invariant=False)
     assert two.partitions == 2 and two.merge and two.partial_rows == SMALL_DECODE + 1
-    prompt = prompt_shape(LARGE_PROMPT, 256, LARGE_PARTITION, QUERY_ROWS, invariant=False)
+    prompt = prompt_shape(2 * SMALL_PROMPT, 256, PARTITION, QUERY_ROWS, invariant=False)
     assert prompt.whole_context_prompt and not prompt.merge
-    longer = prompt_shape(LARGE_PROMPT, 256, LARGE_PARTITION + 1, QUERY_ROWS, invariant=False)
+    longer = prompt_shape(2 * SMALL_PROMPT, 256, PARTITION + 1, QUERY_ROWS, invariant=False)
     assert not longer.whole_context_prompt and longer.merge
     assert not decode_shape(1, 256, 4096, invariant=False).merge  # (a small decode merges in its decode kernel)
     assert decode_shape(1, 256, 4096, invariant=True).merge

@@ -36,14 +36,13 @@ from engine.sequence import Sequence
 GENERATED_TILE = 64  # at 64 rows a bf16 GEMM is still bound by reading the weights
 PROMPT_TILE = 256
 PARTITION = 512  # context positions per attention partition (a thread block of the attention kernels each)
-LARGE_PARTITION = 1024  # the partitions of large steps: fewer to merge, and most contexts in one
+LARGE_PARTITION = 1024  # the partitions of large decode steps: fewer to merge, and most contexts in one
 SHORT_PARTITION = 128  # the partitions of steps bound by latency: 4 times the blocks
 SMALL_DECODE = 8  # decode steps of up to this many tokens take short partitions,
 SMALL_PROMPT = 64  # and so do prompt steps of up to this many (a prompt's tail past a cached prefix),
 # in contexts of up to SHORT_CONTEXT. Past it, whole partitions already give the SMs
 # blocks enough, and short ones would multiply the partial results to write and merge.
 SHORT_CONTEXT = 4096
-LARGE_PROMPT = 512  # prompt steps of at least this many tokens take long partitions (attention_partition)
 WHOLE_CONTEXT_PROMPT = 4096  # prompt steps of at least this many tokens: one partition a context (is_whole_context_prompt)
 
 
@@ -154,18 +153,19 @@ def is_small_decode(generated: int, prompt: int, invariant: bool) -> bool:
 
 def attention_partition(generated: int, prompt: int, context: int, invariant: bool) -> int:
     """Context positions per attention partition of a step whose longest context is
-    `context`. A large step (more than a small decode's tokens, or LARGE_PROMPT prompt
-    tokens) takes long ones: its blocks fill the GPU anyway, and the offline
-    workload's contexts then mostly fit one, whose output the attention kernels store
-    with nothing to merge (bench/decode_attention.py, bench/prefill_attention.py; a
-    prompt step of 256 tokens after 1,024 cached still gains from 512-position ones).
-    A step bound by latency (a small decode or a short prompt step) in a short context
-    takes short ones, so that its attention spreads over more thread blocks, each with
-    a shorter chain of loads. With batch invariance every step takes the same size,
-    since a token's sums depend on its partitions."""
+    `context`. A step of more than a small decode's generated tokens takes long ones:
+    its blocks fill the GPU anyway, and the offline workload's contexts then mostly fit
+    one, whose output the decode kernel stores with nothing to merge
+    (bench/decode_attention.py). (Prompt steps alone keep PARTITION: a prompt's sums,
+    which bench/whole_context_accuracy.py and the Qwen3 test weigh, stay as they are,
+    and a 256-token prompt after 1,024 cached positions is faster so:
+    bench/prefill_attention.py.) A step bound by latency (a small decode or a short
+    prompt step) in a short context takes short ones, so that its attention spreads
+    over more thread blocks, each with a shorter chain of loads. With batch invariance
+    every step takes the same size, since a token's sums depend on its partitions."""
     if invariant:
         return PARTITION
-    if generated > SMALL_DECODE or prompt >= LARGE_PROMPT:
+    if generated > SMALL_DECODE:
         return LARGE_PARTITION
     small_prompt = not generated and prompt <= SMALL_PROMPT
     if context <= SHORT_CONTEXT and (is_small_decode(generated, prompt, invariant) or small_prompt):
