@@ -26,13 +26,13 @@
 // and sum; pass 2 (merge_partitions) rescales and sums the partitions. Pass 2 is a
 // kernel of its own (paged_attention_merge), except in decode steps of a few tokens,
 // where the decode kernel runs it itself, in the block that finishes a token's
-// partitions last (and a decode token in one partition needs none). Decode tokens and prompt tokens take different pass-1 kernels
-// (below); both run on tensor cores (mma.sync m16n8k16: bfloat16 in, float32
-// accumulate; decode from an e4m3 cache float16 in, kv_cache.cuh says why), round the
-// probabilities to bfloat16 (float16) for P V (as transformers' eager attention does),
-// and visit a token's positions in an order fixed by its context alone, so that its
-// result does not depend on the rest of the batch. The numpy backend's paged_attention
-// is the oracle (tests/gpu/test_kernels.py).
+// partitions last; a token whose context fits one partition needs none. Decode tokens
+// and prompt tokens take different pass-1 kernels (below); both run on tensor cores
+// (mma.sync m16n8k16: bfloat16 in, float32 accumulate; decode from an e4m3 cache
+// float16 in, kv_cache.cuh says why), round the probabilities to bfloat16 (float16)
+// for P V (as transformers' eager attention does), and visit a token's positions in an
+// order fixed by its context alone, so that its result does not depend on the rest of
+// the batch. The numpy backend's paged_attention is the oracle (tests/gpu/test_kernels.py).
 
 // Pass 2, one output element: sum_p acc_p * exp(max_p - M) / sum_p sum_p * exp(max_p - M),
 // M = max_p max_p, over the partitions that hold token t's positions 0..positions[t]:

@@ -520,7 +520,7 @@ def test_w8a8_ends_in_the_kernels_around_each_product_equal_kernels_of_their_own
     assert backend.linear.w8a8_plan(backend.kernels, backend.weights.layers[0]["qkv"], [(0, 300)]) is not None
     prompts = [prompt_of(engine, n) for n in (33, 300, 1500)]
     if staged == "too_wide":
-        monkeypatch.setattr(forward, "STAGED_INPUT_BYTES", 2 * model.config.hidden_size - 2)
+        monkeypatch.setattr(forward, "ROW_STASH_BYTES", 2 * model.config.hidden_size - 2)
     fused = [our_logits(engine, ids) for ids in prompts]
     monkeypatch.setattr(Linear, "w8a8_plan", lambda self, kernels, w, tiles: None)
     for ids, logits in zip(prompts, fused):

@@ -221,7 +221,7 @@ def test_w8a8_inputs_too_wide_for_the_fused_kernels_are_quantized_on_their_own(m
         from engine.backends.cuda import forward
         from engine.backends.cuda.backend import CudaBackend
 
-        monkeypatch.setattr(forward, "STAGED_INPUT_BYTES", 2 * model.config.hidden_size - 2)
+        monkeypatch.setattr(forward, "ROW_STASH_BYTES", 2 * model.config.hidden_size - 2)
         engine = LLMEngine(quantized, CudaBackend(quantized.config, quantized.model_weights(), cuda_graphs=False),
                            EngineConfig(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=256))
         engine.add(engine.make_sequence("r", list(range(1, 100)), SamplingParams(**dict(GREEDY, max_tokens=1))))

@@ -14,7 +14,7 @@ import numpy as np
 import pycuda.gpuarray as gpuarray
 
 from engine.backends.cuda.buffers import KvCache, StepBuffers
-from engine.backends.cuda.kernels import STAGED_INPUT_BYTES, Kernels, PagedAttention, SumScales
+from engine.backends.cuda.kernels import ROW_STASH_BYTES, STAGED_INPUT_BYTES, Kernels, PagedAttention, SumScales
 from engine.backends.cuda.linear import Linear, LinearWeight
 from engine.backends.cuda.step_metadata import StepShape
 from engine.backends.cuda.weights import DeviceWeights
@@ -240,9 +240,9 @@ class LayerLaunches:
         scales, other = self.row_scales
         self.row_scales = other, scales
         # (the fused kernels hold a row in shared memory: wider rows are quantized on their own)
-        if isinstance(x, _Normed) and 2 * c.hidden_size <= STAGED_INPUT_BYTES:
+        if isinstance(x, _Normed) and 2 * c.hidden_size <= ROW_STASH_BYTES:
             return self._add_rmsnorm(x.weight, scales), scales
-        if isinstance(x, _Activated) and 2 * c.intermediate_size <= STAGED_INPUT_BYTES:
+        if isinstance(x, _Activated) and 2 * c.intermediate_size <= ROW_STASH_BYTES:
             gate_up = x.gate_up
             sum_scales = gate_up.scales if isinstance(gate_up, _Sums) else None
             self.k.silu_and_mul_e4m3(st, b.act, scales, gate_up.y if sum_scales else gate_up, tokens,

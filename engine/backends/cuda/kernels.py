@@ -32,6 +32,7 @@ GEMV_COLUMNS = {"bf16": 8, "fp8": 16, "int4": 32}  # weights in a lane's 16-byte
 FEWEST_ROW_LANES = {"bf16": 32, "fp8": 16, "int4": 32}  # the fewest lanes a row takes (row_lanes in gemv.cu)
 SAMPLE_CLUSTER, SAMPLE_THREADS = 8, 1024  # blocks a row and threads a block of sample_tokens (sampling.cu)
 STAGED_INPUT_BYTES = 47 * 1024  # gemv.cu's staged input: 48 KB a block takes without opting in, less its static shared memory
+ROW_STASH_BYTES = 47 * 1024  # the row add_rmsnorm and silu_and_mul_e4m3 hold in shared memory to quantize it (the same 48 KB)
 ROW_THREADS = 256  # the block of the row-wise kernels (embedding, add_rmsnorm, silu_and_mul, apply_penalties)
 WIDE_ROW_THREADS = 512  # silu_and_mul_e4m3's block, a row of intermediate_size (8,192 at the 1B shape) each
 SKINNY_THREADS, SKINNY_ROWS, SKINNY_MAX_ROWS = 128, 64, 64  # skinny_gemm.cu's block, its rows of w, and of x at most
