@@ -9,7 +9,8 @@ cache, or others with --block-sizes), for a few batches and the engine's 512- an
 shorter partitions give more blocks and shorter chains of loads). `--kv-cache-dtype
 fp8` times the kernels built for an e4m3 cache (half the bytes; each code widened to
 float16 as it is read). Each batch's first row reads the same bytes through the block
-tables and does nothing else (read_kv): what the scattered blocks allow.
+tables and does nothing else (read_kv): what the scattered blocks allow, where its one
+thread block per (sequence, KV head) fills the GPU (the batches of 64 and 256).
 
     python bench/decode_attention.py [--sources DIR] [--kv-cache-dtype auto|fp8]
                                      [--block-sizes 16,32] [--partitions 512,1024]   # on a machine with an NVIDIA GPU
