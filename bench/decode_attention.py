@@ -4,9 +4,9 @@ itself, as in small decode steps; each warp loading one chunk of the context at 
 time, or the next one ahead while it computes, as small decodes past 4,096 positions
 do): the K/V bytes it reads per second against the bandwidth floor, at the Llama 3.2
 1B shape (32 query heads, 8 KV heads, head_dim 64, 16-token blocks scattered over the
-cache, or others with --block-sizes), for a few batches and the engine's 512- and
-128-position partitions (and 64, 256 and 1024 for comparison: at small batches
-shorter partitions give more blocks and shorter chains of loads). `--kv-cache-dtype
+cache, or others with --block-sizes), for a few batches and the engine's 1024-, 512-
+and 128-position partitions (and 64 and 256 for comparison: at small batches shorter
+partitions give more blocks and shorter chains of loads). `--kv-cache-dtype
 fp8` times the kernels built for an e4m3 cache (half the bytes; each code widened to
 float16 as it is read). Each batch's first row reads the same bytes through the block
 tables and does nothing else (read_kv): what the scattered blocks allow, where its one

@@ -5,12 +5,11 @@ prompt step of `tokens` new tokens after `cached` positions already in the cache
 the engine runs it (whole contexts from 4,096 prompt tokens on or where one partition
 holds the context, else 512-position partitions, 128 for a tail of up to 64 tokens:
 step_metadata.attention_partition), and shorter prompts with whole contexts too, for
-comparison. It prints the causal
-FLOPs (QK^T and PV over the positions each token sees) per second against the H200's
-bfloat16 matmul rate, a layer's launch at a time; with --torch, the same shapes
-through PyTorch's scaled_dot_product_attention (its choice of kernel) on contiguous K and V
-beside it, where the machine has PyTorch. --kv-cache-dtype fp8 reads a cache of e4m3
-codes.
+comparison. It prints the causal FLOPs (QK^T and PV over the positions each token
+sees) per second against the H200's bfloat16 matmul rate, a layer's launch at a time;
+with --torch, the same shapes through PyTorch's scaled_dot_product_attention (its
+choice of kernel) on contiguous K and V beside it, where the machine has PyTorch.
+--kv-cache-dtype fp8 reads a cache of e4m3 codes.
 
     python bench/prefill_attention.py [--sources DIR] [--torch] [--kv-cache-dtype fp8] [--partitions 64,256]
     (on a machine with an NVIDIA GPU)
