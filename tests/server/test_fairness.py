@@ -49,14 +49,19 @@ def test_a_running_stream_gets_tokens_while_a_long_prompt_is_prefilled(server):
 
     reader = threading.Thread(target=read)
     reader.start()
-    prompt_len = 20 * budget  # 20 steps of prefill at least
+    prefill_steps = 20
+    prompt_len = prefill_steps * budget  # 20 steps of prefill at least
     long = timed_stream(client.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[9] * prompt_len), sampling=GREEDY,
                                                            stop=pb.StopCriteria(max_tokens=2)), timeout=120))
     submitted, first = long[0][0], first_token_time(long)
     running.cancel()
     reader.join(30)
     during = sum(submitted < t < first for t in received)
-    assert during >= 15, f"the running stream got {during} tokens in the {first - submitted:.2f} s of a long prefill"
+    # The stream decodes in each prefill step; a prefill that held it up would leave it
+    # none. (A quarter of the steps: on a busy machine some of its tokens reach the
+    # reader thread only after the prompt's first token: 11 of 20 once, in 0.40 s.)
+    assert during >= prefill_steps // 4, \
+        f"the running stream got {during} tokens in the {first - submitted:.2f} s of a long prefill"
 
 
 def test_a_short_request_behind_a_long_prompt_does_not_wait_for_it(server):
