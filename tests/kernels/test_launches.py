@@ -109,6 +109,34 @@ def test_a_step_of_thousands_of_prompt_tokens_takes_whole_contexts(model):
     assert [launch.args[-2] for launch in merges] == [3] * model.config.num_layers
 
 
+def test_large_decode_steps_take_long_partitions_and_merge_only_past_one(model):
+    """A decode step of more than SMALL_DECODE tokens takes LARGE_PARTITION-position
+    partitions. Where every context fits one, the decode kernel stores each row's
+    output and no merge kernel runs (nor after a prompt step in one partition, whose
+    prefill kernel stores its rows' output); past it, the merge kernel runs over the
+    decode rows, told they are the decode kernel's."""
+    from engine.backends.cuda.step_metadata import LARGE_PARTITION, SMALL_DECODE
+
+    config = EngineConfig(num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=2048)
+    short = [([i + j for i in range(1, 20)], dict(GREEDY, max_tokens=2)) for j in range(SMALL_DECODE + 1)]
+    long = ([i % 500 + 1 for i in range(LARGE_PARTITION + 50)], dict(GREEDY, max_tokens=2))
+    layers, rows = model.config.num_layers, SMALL_DECODE + 1
+
+    def attention(step, kernel):
+        return [launch for launch in step if launch.kernel == kernel]
+
+    prompts, decode = engine_steps(model, short, config=config, cuda_graphs=False)
+    assert all(launch.args[0] == "P" for launch in attention(prompts, "prefill_attention_partial"))  # (stores)
+    assert not attention(prompts, "paged_attention_merge")
+    partial = attention(decode, "paged_attention_partial")
+    assert len(partial) == layers and all(launch.grid == (rows, model.config.num_kv_heads, 1) for launch in partial)
+    assert not attention(decode, "paged_attention_merge")
+    prompts, decode = engine_steps(model, short[1:] + [long], config=config, cuda_graphs=False)
+    assert {launch.grid[2] for launch in attention(decode, "paged_attention_partial")} == {2}
+    merges = attention(decode, "paged_attention_merge")
+    assert [(launch.grid[0], launch.args[-2]) for launch in merges] == [(rows, rows)] * layers
+
+
 def test_decodes_of_a_few_tokens_in_long_contexts_load_ahead(model):
     """A decode step of up to SMALL_DECODE tokens whose context passes SHORT_CONTEXT
     takes the decode kernel whose warps load a chunk ahead; in a shorter context, or
