@@ -38,7 +38,7 @@ from bench.decode_attention import (  # noqa: E402
     BLOCK, HEAD_DIM, HEADS, KV_HEADS, REPEATS, SPIN_CYCLES, SPIN_SOURCE, time_launches)
 from bench.floors import PEAK  # noqa: E402
 from engine.backends.cuda.kernels import CUDA_SRC, Kernels, PagedAttention, prefill_query_rows  # noqa: E402
-from engine.backends.cuda.step_metadata import attention_partition, is_whole_context_prompt  # noqa: E402
+from engine.backends.cuda.step_metadata import prompt_shape  # noqa: E402
 from engine.quantization.fp8 import f32_to_e4m3  # noqa: E402
 from engine.weights import f32_to_bf16_bits  # noqa: E402
 
@@ -143,8 +143,9 @@ def main() -> None:
     for tokens, cached in CASES:
         flops, x = causal_flops(tokens, cached), case_inputs(tokens, cached, kv_fp8, rng)
         # (the engine's way first; a short prompt's whole contexts too, for comparison)
-        engine_partition = attention_partition(0, tokens, x["context"], invariant=False)
-        engine_whole = is_whole_context_prompt(tokens, invariant=False) or x["context"] <= engine_partition
+        shape = prompt_shape(tokens, x["table"].shape[1], x["context"], prefill_query_rows(HEADS // KV_HEADS),
+                             invariant=False)
+        engine_partition, engine_whole = shape.partition, shape.whole_context_prompt
         others = [(False, p) for p in other_partitions if p != engine_partition]
         engine_way = (engine_whole, engine_partition)
         ways = [engine_way] if engine_whole else [engine_way, *others, (True, engine_partition)]

@@ -498,8 +498,8 @@ def test_quantized_model_matches_its_exact_model_as_bf16_does(llama_dir, tmp_pat
     assert logprob < 1.5 * max(got["bf16"][2], base["ours"][2]) + 1e-3
 
 
-@pytest.mark.parametrize("staged", ["fits", "too_wide"])
-def test_w8a8_ends_in_the_kernels_around_each_product_equal_kernels_of_their_own(llama_dir, monkeypatch, staged):
+@pytest.mark.parametrize("row", ["fits", "too_wide"])
+def test_w8a8_ends_in_the_kernels_around_each_product_equal_kernels_of_their_own(llama_dir, monkeypatch, row):
     """An FP8-dynamic model's prompt steps, whose norms and SiLU quantize each W8A8
     product's input and whose RoPE, SiLU and residual adds scale its sums back
     (forward.LayerLaunches), give the logits bit for bit that the products computed
@@ -519,7 +519,7 @@ def test_w8a8_ends_in_the_kernels_around_each_product_equal_kernels_of_their_own
     engine = LLMEngine(model, backend, EngineConfig(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=4096))
     assert backend.linear.w8a8_plan(backend.kernels, backend.weights.layers[0]["qkv"], [(0, 300)]) is not None
     prompts = [prompt_of(engine, n) for n in (33, 300, 1500)]
-    if staged == "too_wide":
+    if row == "too_wide":
         monkeypatch.setattr(forward, "ROW_STASH_BYTES", 2 * model.config.hidden_size - 2)
     fused = [our_logits(engine, ids) for ids in prompts]
     monkeypatch.setattr(Linear, "w8a8_plan", lambda self, kernels, w, tiles: None)

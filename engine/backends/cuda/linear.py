@@ -15,8 +15,9 @@ buffer (the head). The W8A8 products quantize their rows into the same scratch, 
 chunks of the rows it holds; where a step's layer is one such product, the kernels
 around it quantize and scale back instead (`w8a8_plan`, forward.py). The skinny GEMM's
 limits are measured (bench/skinny_gemm.py): at 64 rows it is behind dequantizing and
-cuBLAS, and for bfloat16 weights behind cuBLAS at every row count, as yet. The single-token fusions of
-forward.py (the GEMVs that also normalise, rotate or activate) exist in each format.
+cuBLAS, and for bfloat16 weights behind cuBLAS at every row count, as yet. The
+single-token fusions of forward.py (the GEMVs that also normalise, rotate or activate)
+exist in each format.
 """
 
 from __future__ import annotations
