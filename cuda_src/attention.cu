@@ -24,7 +24,7 @@
 // Pass 1 splits each token's context into partitions of `partition` positions and
 // leaves, per (token, head, partition), the unnormalised output with its softmax max
 // and sum; pass 2 (merge_partitions) rescales and sums the partitions. Pass 2 is a
-// kernel of its own (paged_attention_merge), except in decode steps of a few tokens,
+// kernel of its own (paged_attention_merge), except in steps of decode tokens alone,
 // where the decode kernel runs it itself, in the block that finishes a token's
 // partitions last; a token whose context fits one partition needs none. Decode tokens
 // and prompt tokens take different pass-1 kernels (below); both run on tensor cores
@@ -73,10 +73,12 @@ __device__ __forceinline__ float merge_partitions(const float* part_acc, const f
 // and resets the count to 0 for the next launch (so arrivals is zero between
 // launches). That block merges with all its threads (merge_in_block): a long context
 // has hundreds of partitions, and one thread an element walking them in turn
-// (merge_partitions) took 90 µs a layer at 32,768 positions. That saves a step of a
-// few tokens the merge kernel's launch; in a large step the fence and count lengthen
-// every block by more than the merge kernel takes, so there arrivals is null and
-// paged_attention_merge follows (engine/backends/cuda/forward.py).
+// (merge_partitions) took 90 µs a layer at 32,768 positions. That saves a step of
+// decode tokens the merge kernel, which visits every token: in a large step, whose
+// 1,024-position partitions leave few tokens spanning several, the fence and count of
+// those few cost less (at 512 positions they cost more: bench/HISTORY.md). Beside
+// prompt rows, and with batch invariance (a token's sums the same in any step),
+// arrivals is null and paged_attention_merge follows (engine/backends/cuda/forward.py).
 //
 // Fragments are read with 16-byte loads by permuting the summed-over index, which
 // changes no sum: in S = Q K^T, lane quad q's k-step kk covers head dims

@@ -109,12 +109,12 @@ def test_a_step_of_thousands_of_prompt_tokens_takes_whole_contexts(model):
     assert [launch.args[-2] for launch in merges] == [3] * model.config.num_layers
 
 
-def test_large_decode_steps_take_long_partitions_and_merge_only_past_one(model):
+def test_large_decode_steps_take_long_partitions_and_merge_in_the_decode_kernel(model):
     """A decode step of more than SMALL_DECODE tokens takes LARGE_PARTITION-position
     partitions. Where every context fits one, the decode kernel stores each row's
-    output and no merge kernel runs (nor after a prompt step in one partition, whose
-    prefill kernel stores its rows' output); past it, the merge kernel runs over the
-    decode rows, told they are the decode kernel's."""
+    output (nor does a merge kernel run after a prompt step in one partition, whose
+    prefill kernel stores its rows' output); past it, the decode kernel is given its
+    arrival counters and merges the partitions itself: no merge kernel runs either."""
     from engine.backends.cuda.step_metadata import LARGE_PARTITION, SMALL_DECODE
 
     config = EngineConfig(num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=2048)
@@ -132,9 +132,9 @@ def test_large_decode_steps_take_long_partitions_and_merge_only_past_one(model):
     assert len(partial) == layers and all(launch.grid == (rows, model.config.num_kv_heads, 1) for launch in partial)
     assert not attention(decode, "paged_attention_merge")
     prompts, decode = engine_steps(model, short[1:] + [long], config=config, cuda_graphs=False)
-    assert {launch.grid[2] for launch in attention(decode, "paged_attention_partial")} == {2}
-    merges = attention(decode, "paged_attention_merge")
-    assert [(launch.grid[0], launch.args[-2]) for launch in merges] == [(rows, rows)] * layers
+    partial = attention(decode, "paged_attention_partial")
+    assert {launch.grid[2] for launch in partial} == {2} and all(launch.args[1] == "P" for launch in partial)
+    assert not attention(decode, "paged_attention_merge")
 
 
 def test_decodes_of_a_few_tokens_in_long_contexts_load_ahead(model):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -161,10 +163,8 @@ def test_steps_bound_by_latency_take_short_partitions_and_large_ones_long_unless
     assert attention_partition(0, 5, 100, invariant=True) == PARTITION
     graph = decode_shape(1, max_blocks=256, max_context=4096, invariant=False)
     assert (graph.partition, graph.partitions) == (SHORT_PARTITION, 4096 // SHORT_PARTITION)
-    assert graph.small_decode and not decode_shape(SMALL_DECODE + 1, 256, 4096, False).small_decode
-    assert not decode_shape(1, 256, 4096, invariant=True).small_decode
     tail = prompt_shape(SMALL_PROMPT, max_blocks=256, max_context=4096, query_rows=QUERY_ROWS, invariant=False)
-    assert (tail.partition, tail.partitions, tail.small_decode) == (SHORT_PARTITION, 4096 // SHORT_PARTITION, False)
+    assert (tail.partition, tail.partitions) == (SHORT_PARTITION, 4096 // SHORT_PARTITION)
     assert prompt_shape(2 * SMALL_PROMPT, 256, 4096, QUERY_ROWS, invariant=False).partition == PARTITION
     assert decode_shape(SMALL_DECODE + 1, 256, 4096, invariant=False).partition == LARGE_PARTITION
 
@@ -175,14 +175,26 @@ def test_a_step_whose_contexts_fit_one_partition_merges_nothing():
     and no merge kernel runs; past it, the merge kernel runs over the partial rows."""
     one = decode_shape(SMALL_DECODE + 1, 256, LARGE_PARTITION, invariant=False)
     assert one.partitions == 1 and not one.merge
-    two = decode_shape(SMALL_DECODE + 1, 256, LARGE_PARTITION + 1, invariant=False)
-    assert two.partitions == 2 and two.merge and two.partial_rows == SMALL_DECODE + 1
+    mixed = dataclasses.replace(one, prompt=5, prompt_tiles=2)
+    assert mixed.partitions == 1 and not mixed.merge
+    two = dataclasses.replace(mixed, partitions=2)
+    assert two.merge and two.partial_rows == SMALL_DECODE + 1 + 5
     prompt = prompt_shape(2 * SMALL_PROMPT, 256, PARTITION, QUERY_ROWS, invariant=False)
     assert prompt.whole_context_prompt and not prompt.merge
     longer = prompt_shape(2 * SMALL_PROMPT, 256, PARTITION + 1, QUERY_ROWS, invariant=False)
     assert not longer.whole_context_prompt and longer.merge
-    assert not decode_shape(1, 256, 4096, invariant=False).merge  # (a small decode merges in its decode kernel)
-    assert decode_shape(1, 256, 4096, invariant=True).merge
+
+
+@pytest.mark.parametrize("generated", [1, SMALL_DECODE, SMALL_DECODE + 1, 256])
+def test_the_decode_kernel_merges_a_step_of_decodes_alone_unless_invariant(generated):
+    """In a step of decode rows alone, of any size, the decode kernel merges the
+    partitions itself and no merge kernel runs; with batch invariance, or beside prompt
+    rows, the merge kernel does."""
+    shape = decode_shape(generated, 256, 4096, invariant=False)
+    assert shape.partitions > 1 and shape.decode_merges and not shape.merge
+    assert not dataclasses.replace(shape, prompt=5, prompt_tiles=2).decode_merges
+    invariant = decode_shape(generated, 256, 4096, invariant=True)
+    assert not invariant.decode_merges and invariant.merge
 
 
 def test_only_steps_of_thousands_of_prompt_tokens_take_whole_contexts():

@@ -25,7 +25,7 @@ from engine.backends.cuda.forward import ForwardPass
 from engine.backends.cuda.kernels import MAX_PART_BLOCKS, Kernels, prefill_query_rows
 from engine.backends.cuda.linear import Linear
 from engine.backends.cuda.sampler import GpuSampler
-from engine.backends.cuda.step_metadata import LARGE_PARTITION, SMALL_DECODE, StepShape, build_metadata, step_shape
+from engine.backends.cuda.step_metadata import LARGE_PARTITION, StepShape, build_metadata, step_shape
 from engine.backends.cuda.weights import DeviceWeights
 from engine.config import ModelConfig
 from engine.quantization.kv_cache import cache_scales
@@ -162,7 +162,7 @@ class CudaBackend:
             self.sampler.allocate_masks(max_batch)
             self._step_slots = [StepSlot(cuda.pagelocked_empty(num_blocks, np.int32), cuda.Event())
                                 for _ in range(MAX_STEPS_IN_FLIGHT)]
-            arrivals = gpuarray.zeros((SMALL_DECODE, c.num_kv_heads), np.int32)  # a row per token of a small decode step
+            arrivals = gpuarray.zeros((max_batch, c.num_kv_heads), np.int32)  # a row per token of a decode step
             self.forward_pass = ForwardPass(c, self.weights, self.cache, self.linear, self.cos_sin, self.sampled,
                                             arrivals, self.stream)
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, block_size,

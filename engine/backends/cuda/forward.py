@@ -155,14 +155,14 @@ class LayerLaunches:
         """Partial results per context partition, for decode rows (and the padding between
         the segments) from the decode kernel and for prompt rows from the prefill kernel,
         then the merge kernel over those rows (StepShape.merge). A decode row whose context
-        fits one partition gets its output from the decode kernel, in a small decode step
-        the decode kernel merges the others itself (step_metadata.is_small_decode), and a
-        whole-context prompt's rows get theirs from the prefill kernel
+        fits one partition gets its output from the decode kernel, in a step of decode
+        rows alone the decode kernel merges the others itself (StepShape.decode_merges),
+        and a whole-context prompt's rows get theirs from the prefill kernel
         (StepShape.whole_context_prompt)."""
         k, st, shape, a, b, kv_scale = self.k, self.st, self.shape, self.attention_inputs, self.b, self.kv_scale
         decode_rows = shape.tokens - shape.prompt
         if decode_rows:
-            arrivals = self.fwd.arrivals if shape.small_decode else None
+            arrivals = self.fwd.arrivals if shape.decode_merges else None
             k.paged_attention_partial(st, b.attn, arrivals, a, self.kc, self.vc, decode_rows,
                                       prefetch=shape.decode_prefetch, kv_scale=kv_scale)
         if shape.prompt_tiles:

@@ -60,9 +60,14 @@ class StepShape:
     invariant: bool  # GEMMs in fixed tiles (batch invariance), not one over all rows
 
     @property
-    def small_decode(self) -> bool:
-        """A decode step of a few tokens (is_small_decode)."""
-        return is_small_decode(self.generated, self.prompt, self.invariant)
+    def decode_merges(self) -> bool:
+        """Whether the decode kernel merges its tokens' partitions itself: in a step of
+        decode tokens alone. A small one saves the merge kernel's launch so; in a large
+        one, whose 1,024-position partitions leave few tokens to merge, the last block
+        of those few merging them costs less than a kernel that visits every token
+        (bench/decode_attention.py's "in kernel" rows). Batch-invariant steps keep the
+        merge kernel, whose sums a token gets in any step."""
+        return not self.invariant and not self.prompt
 
     @property
     def decode_prefetch(self) -> bool:
@@ -86,9 +91,9 @@ class StepShape:
 
     @property
     def merge(self) -> bool:
-        """Whether the merge kernel runs: not in a small decode step, whose decode kernel
-        merges itself, nor where one partition holds every context (nothing to merge)."""
-        return not self.small_decode and self.partitions > 1 and self.partial_rows > 0
+        """Whether the merge kernel runs: not where the decode kernel merges itself
+        (decode_merges), nor where one partition holds every context (nothing to merge)."""
+        return not self.decode_merges and self.partitions > 1 and self.partial_rows > 0
 
     @property
     def partial_rows(self) -> int:
@@ -146,8 +151,7 @@ def _prompt_counts(starts: np.ndarray, counts: np.ndarray, prompt_lens: np.ndarr
 
 def is_small_decode(generated: int, prompt: int, invariant: bool) -> bool:
     """Whether a step is a decode step of a few tokens, bound by latency: its attention
-    takes short partitions (attention_partition), and the decode kernel merges them
-    itself, which saves the merge kernel's launch (attention.cu)."""
+    takes short partitions (attention_partition)."""
     return not invariant and not prompt and generated <= SMALL_DECODE
 
 
