@@ -1,8 +1,8 @@
 """Decode attention alone (paged_attention_partial, then paged_attention_merge for the
 tokens whose context spans several partitions, or the decode kernel merging them
-itself, as in small decode steps; each warp loading one chunk of the context at a
-time, or the next one ahead while it computes, as small decodes past 4,096 positions
-do): the K/V bytes it reads per second against the bandwidth floor, at the Llama 3.2
+itself, as in steps of decode tokens alone; each warp loading one chunk of the context
+at a time, or the next one ahead while it computes, as small decodes past 4,096
+positions do): the K/V bytes it reads per second against the bandwidth floor, at the Llama 3.2
 1B shape (32 query heads, 8 KV heads, head_dim 64, 16-token blocks scattered over the
 cache, or others with --block-sizes), for a few batches and the engine's 1024-, 512-
 and 128-position partitions (and 64 and 256 for comparison: at small batches shorter

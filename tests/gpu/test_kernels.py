@@ -273,9 +273,10 @@ def test_paged_attention(cuda_context, kernel, heads, kv_heads, D, block_size, p
     """Decode tokens and prefill chunks of several sequences in one launch, over
     lengths that are not multiples of the block size and past one partition, through
     the decode kernel (split context, merged by the last partition's block, or by the
-    merge kernel; its warps loading a chunk ahead, the same sums bit for bit) and through the prefill kernel (query tiles, then the merge kernel, or
-    each tile's whole context at once, storing the output); over a cache of bfloat16 or
-    of e4m3 codes (against the codes' values, over the layer's scales)."""
+    merge kernel; its warps loading a chunk ahead, the same sums bit for bit) and
+    through the prefill kernel (query tiles, then the merge kernel, or each tile's
+    whole context at once, storing the output); over a cache of bfloat16 or of e4m3
+    codes (against the codes' values, over the layer's scales)."""
     kv_fp8, kv_scale = KV_CACHES[kv]
     if kernel == "prefill, whole contexts" and partition != PARTITION:
         pytest.skip("one partition holds every context")
