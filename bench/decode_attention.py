@@ -2,15 +2,16 @@
 tokens whose context spans several partitions, or the decode kernel merging them
 itself, as in steps of decode tokens alone; each warp loading one chunk of the context
 at a time, or the next one ahead while it computes, as small decodes past 4,096
-positions do): the K/V bytes it reads per second against the bandwidth floor, at the Llama 3.2
-1B shape (32 query heads, 8 KV heads, head_dim 64, 16-token blocks scattered over the
-cache, or others with --block-sizes), for a few batches and the engine's 1024-, 512-
-and 128-position partitions (and 64 and 256 for comparison: at small batches shorter
-partitions give more blocks and shorter chains of loads). `--kv-cache-dtype
-fp8` times the kernels built for an e4m3 cache (half the bytes; each code widened to
-float16 as it is read). Each batch's first row reads the same bytes through the block
-tables and does nothing else (read_kv): what the scattered blocks allow, where its one
-thread block per (sequence, KV head) fills the GPU (the batches of 64 and 256).
+positions do): the K/V bytes it reads per second against the bandwidth floor, at the
+Llama 3.2 1B shape (32 query heads, 8 KV heads, head_dim 64, 16-token blocks scattered
+over the cache, or others with --block-sizes), for a few batches and the engine's
+1024-, 512- and 128-position partitions (and 64 and 256 for comparison: at small
+batches shorter partitions give more blocks and shorter chains of loads).
+`--kv-cache-dtype fp8` times the kernels built for an e4m3 cache (half the bytes; each
+code widened to float16 as it is read). Each batch's first row reads the same bytes
+through the block tables and does nothing else (read_kv): what the scattered blocks
+allow, where its one thread block per (sequence, KV head) fills the GPU (the batches
+of 64 and 256).
 
     python bench/decode_attention.py [--sources DIR] [--kv-cache-dtype auto|fp8]
                                      [--block-sizes 16,32] [--partitions 512,1024]   # on a machine with an NVIDIA GPU
